@@ -1,0 +1,192 @@
+"""Framework-agnostic learner client: hello, push and pull numpy arrays.
+
+:class:`Client` is the asyncio API; :class:`SyncClient` wraps it with a private event loop
+for code that is not async (e.g. a PyTorch training loop). Replies are matched to requests
+by a sequence number; an ERROR reply raises :class:`~rudra_async.errors.RemoteError` with
+the server's stable code.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import transports
+from .errors import RemoteError, RudraError
+from .eventloop import new_runner
+from .layout import Layout
+from .transports.base import Connection
+from .wire import Frame, Limits, MsgType
+
+
+@dataclass
+class Weights:
+    """Weights at server clock ``timestamp``. ``array`` is the client's reusable buffer."""
+
+    timestamp: int
+    array: np.ndarray
+    stop: bool
+
+
+@dataclass
+class Ack:
+    timestamp: int
+    staleness: int
+    stop: bool
+
+
+class Client:
+    """One learner's connection. Create with :meth:`connect`."""
+
+    def __init__(self, conn: Connection, welcome: dict[str, Any]) -> None:
+        self.conn = conn
+        self.learner_id: int = welcome["learner_id"]
+        self.layout = Layout.from_wire(welcome["layout"])
+        self.protocol: str = welcome.get("protocol", "")
+        self.clock: int = welcome.get("clock", 0)
+        self._seq = 1
+        self.weights = np.empty(self.layout.size, np.float32)
+        conn.allocator = self._allocate
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        layout: Layout,
+        initial: np.ndarray | None = None,
+        *,
+        name: str | None = None,
+        timeout: float = 10.0,
+        limits: Limits = Limits(),
+    ) -> "Client":
+        """Connect and register. ``initial`` (flat float32) seeds the server if it has no weights."""
+        conn = await transports.connect(url, limits=limits, timeout=timeout)
+        try:
+            meta = {"name": name or f"{socket.gethostname()}:{os.getpid()}", "layout": layout.to_wire(), "seq": 0}
+            arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
+            await conn.send(MsgType.HELLO, meta, arrays)
+            reply = await asyncio.wait_for(conn.recv(), timeout)
+            welcome = _check(reply, MsgType.WELCOME).meta
+            reply.release()
+        except BaseException:
+            conn.close()
+            raise
+        return cls(conn, welcome)
+
+    def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> memoryview | None:
+        if msg_type == MsgType.WEIGHTS and nbytes == self.weights.nbytes:
+            return memoryview(self.weights).cast("B")
+        return None
+
+    async def _request(self, msg_type: MsgType, meta: dict[str, Any], arrays=()) -> Frame:
+        meta["seq"] = seq = self._seq
+        self._seq += 1
+        await self.conn.send(msg_type, meta, arrays)
+        reply = await self.conn.recv()
+        if reply.meta.get("seq") != seq and reply.msg_type != MsgType.ERROR:
+            raise RudraError(f"reply out of order: expected seq {seq}, got {reply.meta.get('seq')}")
+        return reply
+
+    def _weights(self, frame: Frame) -> Weights:
+        frame = _check(frame, MsgType.WEIGHTS)
+        arrays = frame.arrays
+        if len(arrays) != 1 or arrays[0].size != self.weights.size:
+            frame.release()
+            raise RudraError("the weights reply does not match the parameter layout")
+        if not np.shares_memory(arrays[0], self.weights):
+            self.weights[:] = arrays[0]
+        self.clock = frame.meta["timestamp"]
+        frame.release()
+        return Weights(self.clock, self.weights, bool(frame.meta.get("stop")))
+
+    async def pull(self, newer_than: int = -1) -> Weights:
+        """The newest weights; with ``newer_than``, wait until the clock passes it."""
+        return self._weights(await self._request(MsgType.PULL, {"newer_than": newer_than}))
+
+    async def push(self, grad: np.ndarray, timestamp: int, step: int = 0) -> Ack:
+        """Push a gradient computed on weights stamped ``timestamp``."""
+        reply = _check(await self._request(MsgType.PUSH, self._push_meta(timestamp, step, False), [grad]), MsgType.ACK)
+        reply.release()
+        m = reply.meta
+        return Ack(m["timestamp"], m["staleness"], bool(m.get("stop")))
+
+    async def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0) -> Weights:
+        """Push a gradient and get the weights after it, in one round trip."""
+        return self._weights(await self._request(MsgType.PUSH, self._push_meta(timestamp, step, True), [grad]))
+
+    def _push_meta(self, timestamp: int, step: int, pull: bool) -> dict[str, Any]:
+        return {"learner_id": self.learner_id, "timestamp": timestamp, "step": step, "pull": pull}
+
+    async def close(self) -> None:
+        """Say bye (best effort) and close. Idempotent."""
+        if not self.conn.is_closed:
+            try:
+                await asyncio.wait_for(self._request(MsgType.BYE, {}), 5.0)
+            except (RudraError, asyncio.TimeoutError):
+                pass
+        self.conn.close()
+
+
+def _check(frame: Frame, expected: MsgType) -> Frame:
+    if frame.msg_type == MsgType.ERROR:
+        frame.release()
+        raise RemoteError(str(frame.meta.get("message", "")), code=str(frame.meta.get("code", "internal")))
+    if frame.msg_type != expected:
+        frame.release()
+        raise RudraError(f"expected {expected.name}, got message type {frame.msg_type}")
+    return frame
+
+
+class SyncClient:
+    """Blocking wrapper over :class:`Client` with its own event loop (uvloop when available)."""
+
+    def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
+        self._runner = new_runner()
+        try:
+            self._client = self._runner.run(Client.connect(url, layout, initial, **kwargs))
+        except BaseException:
+            self._runner.close()
+            raise
+
+    @property
+    def learner_id(self) -> int:
+        return self._client.learner_id
+
+    @property
+    def layout(self) -> Layout:
+        return self._client.layout
+
+    @property
+    def weights(self) -> np.ndarray:
+        return self._client.weights
+
+    def set_weights_buffer(self, buffer: np.ndarray) -> None:
+        """Receive pulled weights straight into ``buffer`` (flat float32, e.g. a model's parameters)."""
+        if buffer.dtype != np.float32 or buffer.size != self.layout.size or not buffer.flags.c_contiguous:
+            raise ValueError(f"weights buffer must be contiguous float32 of {self.layout.size} values")
+        self._client.weights = buffer.reshape(-1)
+
+    def pull(self, newer_than: int = -1) -> Weights:
+        return self._runner.run(self._client.pull(newer_than))
+
+    def push(self, grad: np.ndarray, timestamp: int, step: int = 0) -> Ack:
+        return self._runner.run(self._client.push(grad, timestamp, step))
+
+    def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0) -> Weights:
+        return self._runner.run(self._client.push_pull(grad, timestamp, step))
+
+    def close(self) -> None:
+        try:
+            self._runner.run(self._client.close())
+        finally:
+            self._runner.close()
+
+    def __enter__(self) -> "SyncClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,85 @@
+"""The one exception hierarchy of rudra-async.
+
+Every error that crosses a module boundary is a :class:`RudraError`. Errors that travel
+over the wire carry a stable string ``code`` (see ``docs/wire.md``); the same code names
+the error on both sides.
+"""
+from __future__ import annotations
+
+
+class RudraError(Exception):
+    """Base of every error raised by rudra-async."""
+
+    code = "internal"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class ConfigError(RudraError):
+    """A configuration value or combination is invalid (raised before any I/O)."""
+
+    code = "config"
+
+
+class WireError(RudraError):
+    """A frame violates the wire format. ``fatal`` means the byte stream lost sync."""
+
+    code = "malformed"
+    fatal = True
+
+
+class BadMagic(WireError):
+    code = "bad_magic"
+
+
+class BadVersion(WireError):
+    code = "bad_version"
+
+
+class FrameTooLarge(WireError):
+    code = "frame_too_large"
+
+
+class MalformedFrame(WireError):
+    code = "malformed"
+
+
+class RequestError(RudraError):
+    """A well-formed request the server refuses; the connection stays usable."""
+
+    code = "bad_request"
+
+
+class TransportError(RudraError):
+    """Moving bytes failed."""
+
+    code = "transport"
+
+
+class ConnectionClosed(TransportError):
+    """This side closed the connection (or the listener) and then used it."""
+
+    code = "closed"
+
+
+class PeerGone(TransportError):
+    """The peer went away or the connection broke (including mid-frame)."""
+
+    code = "peer_gone"
+
+
+class ConnectError(TransportError):
+    """Connecting or binding failed at once (refused, unknown host, port in use)."""
+
+    code = "connect"
+
+
+class RemoteError(RudraError):
+    """The server answered a request with an error message; ``code`` is its stable code."""

@@ -1,0 +1,120 @@
+"""The PyTorch learner: a model bound to flat buffers, running the paper's loop.
+
+Loop: sample a mini-batch of μ → compute the mean gradient on the weights stamped j →
+push it with stamp j and receive the newest weights (one round trip) → repeat.
+Pulled weights are received straight into the model's parameter memory.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import data as datasets
+from . import models
+from .client import SyncClient
+from .errors import RemoteError
+from .layout import Layout
+
+log = logging.getLogger(__name__)
+
+
+class FlatModel:
+    """Rebinds a module's parameters and their gradients to two flat float32 buffers.
+
+    After construction ``weights`` *is* the model's parameter memory and ``grads`` is where
+    backward accumulates, so moving the model to or from the wire is a single buffer.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.layout = Layout.from_shapes((n, tuple(p.shape)) for n, p in named)
+        self.weights = torch.empty(self.layout.size, dtype=torch.float32)
+        self.grads = torch.zeros(self.layout.size, dtype=torch.float32)
+        for (_, p), t in zip(named, self.layout.tensors):
+            sl = slice(t.offset, t.offset + t.size)
+            self.weights[sl].copy_(p.detach().reshape(-1))
+            p.data = self.weights[sl].view(t.shape)
+            p.grad = self.grads[sl].view(t.shape)
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+
+    def load(self, flat: np.ndarray) -> None:
+        self.weights.copy_(torch.from_numpy(np.array(flat, np.float32).reshape(-1)))
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``module`` on ``x``, ``y``."""
+    was_training = module.training
+    module.eval()
+    logits = module(torch.from_numpy(x))
+    target = torch.from_numpy(y)
+    loss = nn.functional.cross_entropy(logits, target).item()
+    acc = (logits.argmax(1) == target).float().mean().item()
+    module.train(was_training)
+    return acc, loss
+
+
+def build_model(model: str, dataset: datasets.Dataset, seed: int) -> nn.Module:
+    torch.manual_seed(seed)  # every learner builds identical initial weights
+    return models.resolve(model)(dataset.n_features, dataset.n_classes)
+
+
+@dataclass
+class LearnerConfig:
+    connect: str
+    model: str = "mlp"
+    dataset: str = "digits"
+    batch_size: int = 32
+    steps: int | None = None  # None: until the server says stop
+    seed: int = 0
+    index: int = 0  # distinguishes learners' sampling streams
+    threads: int = 1
+    name: str | None = None
+    timeout: float = 10.0
+
+
+def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
+    """Train against the server at ``cfg.connect``; returns a summary of this learner's run."""
+    torch.set_num_threads(cfg.threads)
+    data = datasets.load(cfg.dataset)
+    model = build_model(cfg.model, data, cfg.seed)
+    flat = FlatModel(model)
+    x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    rng = np.random.default_rng([cfg.seed, cfg.index])
+    batches = datasets.minibatches(len(y_train), cfg.batch_size, rng)
+    started = time.monotonic()
+    steps, loss_value = 0, float("nan")
+    with SyncClient(cfg.connect, flat.layout, flat.weights.numpy(), name=cfg.name, timeout=cfg.timeout) as client:
+        client.set_weights_buffer(flat.weights.numpy())
+        w = client.pull()
+        while not w.stop and (cfg.steps is None or steps < cfg.steps):
+            idx = torch.from_numpy(next(batches))
+            flat.zero_grad()
+            loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            loss_value = loss.item()
+            try:
+                w = client.push_pull(flat.grads.numpy(), w.timestamp, steps)
+            except RemoteError as exc:
+                if exc.code == "stopped":
+                    break
+                raise
+            steps += 1
+        learner_id = client.learner_id
+    accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
+    return {
+        "learner_id": learner_id,
+        "steps": steps,
+        "last_loss": loss_value,
+        "test_accuracy": accuracy,
+        "wall_s": time.monotonic() - started,
+    }

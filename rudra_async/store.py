@@ -1,0 +1,78 @@
+"""The server's state: flat weights, momentum and the clock, with torn-free publication.
+
+Readers (a pull reply being written to a socket) *lease* the current weights buffer. An
+update writes in place when nobody holds a lease, otherwise into a spare buffer that is
+then published, so a reader never sees a half-applied update and no copy is made on the
+common path.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import kernels
+from .layout import Layout
+
+
+class WeightStore:
+    def __init__(self, layout: Layout, initial: np.ndarray) -> None:
+        if initial.size != layout.size:
+            raise ValueError(f"initial weights have {initial.size} values, layout needs {layout.size}")
+        self.layout = layout
+        self.clock = 0
+        self._current = np.array(initial, dtype=np.float32, copy=True).reshape(-1)
+        self.momentum = np.zeros(layout.size, np.float32)
+        self._leases: dict[int, int] = {}  # id(buffer) -> readers
+        self._spares: list[np.ndarray] = []
+        self._advanced = asyncio.Event()
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The published weights (read-only view; valid until the next update)."""
+        view = self._current.view()
+        view.flags.writeable = False
+        return view
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[tuple[int, np.ndarray]]:
+        """Hold the current (clock, weights) unchanged for the duration of the block."""
+        buf, key = self._current, id(self._current)
+        self._leases[key] = self._leases.get(key, 0) + 1
+        try:
+            yield self.clock, buf
+        finally:
+            self._leases[key] -= 1
+            if not self._leases[key]:
+                del self._leases[key]
+                if buf is not self._current:
+                    self._spares.append(buf)
+
+    def apply(
+        self,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        nesterov: bool = False,
+    ) -> int:
+        """Fold the gradients into the weights, advance the clock, return it."""
+        src = self._current
+        dst = src if id(src) not in self._leases else self._spare()
+        kernels.apply(src, dst, self.momentum, grads, scales, lr, momentum, weight_decay, nesterov)
+        self._current = dst
+        self.clock += 1
+        self._advanced.set()
+        self._advanced = asyncio.Event()
+        return self.clock
+
+    def _spare(self) -> np.ndarray:
+        return self._spares.pop() if self._spares else np.empty_like(self._current)
+
+    async def wait_newer(self, than: int) -> None:
+        """Return once the clock is greater than ``than``."""
+        while self.clock <= than:
+            await self._advanced.wait()

@@ -1,0 +1,132 @@
+"""One-command local run: a server in this process and λ learner processes beside it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from .config import ServerConfig
+from .errors import ConfigError, RudraError
+from .server import ParameterServer
+
+
+@dataclass
+class TrainConfig:
+    learners: int = 4
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    epochs: float = 30.0
+    updates: int | None = None  # overrides epochs: stop the run at this many updates
+    seed: int = 0
+    model: str = "mlp"
+    dataset: str = "digits"
+    protocol: str = "async"
+    host: str = "127.0.0.1"
+    learner_threads: int = 1
+    timeout: float = 900.0  # the whole run; learners are killed past it
+
+    def validate(self) -> "TrainConfig":
+        if self.learners < 1:
+            raise ConfigError(f"need at least one learner, got {self.learners}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.updates is None and not self.epochs > 0:
+            raise ConfigError(f"epochs must be > 0, got {self.epochs}")
+        return self
+
+    def steps_per_learner(self, n_train: int) -> int | None:
+        """Epochs count samples over all learners: each does epochs·N/(λμ) steps."""
+        if self.updates is not None:
+            return None
+        return max(1, math.ceil(self.epochs * n_train / (self.learners * self.batch_size)))
+
+
+def learner_command(cfg: TrainConfig, url: str, index: int, steps: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "rudra_async", "learner", "--connect", url, "--model", cfg.model,
+           "--dataset", cfg.dataset, "--batch-size", str(cfg.batch_size), "--seed", str(cfg.seed),
+           "--index", str(index), "--threads", str(cfg.learner_threads), "--name", f"learner-{index}", "--json"]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    return cmd
+
+
+async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the job and return the results (see README for the keys)."""
+    from . import data as datasets
+    from .learner import FlatModel, build_model, evaluate  # torch: the train side needs it anyway
+
+    cfg.validate()
+    dataset = datasets.load(cfg.dataset)
+    steps = cfg.steps_per_learner(len(dataset.y_train))
+    server_cfg = ServerConfig(
+        listen=[f"tcp://{cfg.host}:0"], protocol=cfg.protocol, lr=cfg.lr, momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay, max_updates=cfg.updates,
+    )
+    started = time.monotonic()
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.learner_threads), "MKL_NUM_THREADS": str(cfg.learner_threads)}
+    async with ParameterServer(server_cfg) as server:
+        url = server.addresses[0]
+        procs = [
+            await asyncio.create_subprocess_exec(*learner_command(cfg, url, i, steps), stdout=asyncio.subprocess.PIPE, env=env)
+            for i in range(cfg.learners)
+        ]
+        ticker = asyncio.create_task(_report_progress(server, started, progress)) if progress else None
+        try:
+            outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), cfg.timeout)
+        except asyncio.TimeoutError:
+            raise RudraError(f"the run did not finish within {cfg.timeout:g} s; learners were stopped") from None
+        finally:
+            if ticker:
+                ticker.cancel()
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+        wall = time.monotonic() - started
+        failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if len(failed) == len(procs):
+            raise RudraError(f"every learner failed (exit codes {[p.returncode for p in procs]})")
+        summaries = [json.loads(out.decode().strip().splitlines()[-1]) for (out, _), p in zip(outputs, procs) if p.returncode == 0]
+        model = build_model(cfg.model, dataset, cfg.seed)
+        FlatModel(model).load(server.store.weights)  # type: ignore[union-attr]
+        accuracy, test_loss = evaluate(model, dataset.x_test, dataset.y_test)
+        stats = server.stats()
+        train_s = (server.last_update_at or started) - (server.first_update_at or started)
+    return {
+        "protocol": cfg.protocol,
+        "learners": cfg.learners,
+        "batch_size": cfg.batch_size,
+        "updates": stats["updates"],
+        "gradients": stats["gradients"],
+        "wall_s": wall,
+        "train_s": train_s,
+        "test_accuracy": accuracy,
+        "test_loss": test_loss,
+        "staleness_mean": stats["staleness_mean"],
+        "staleness_max": stats["staleness_max"],
+        "staleness_histogram": stats["staleness_histogram"],
+        "per_learner": stats["learners"],
+        "learners_failed": failed,
+        "learner_summaries": summaries,
+        "config": asdict(cfg),
+    }
+
+
+async def _report_progress(server: ParameterServer, started: float, progress: Callable[[str], None]) -> None:
+    last = 0
+    while True:
+        await asyncio.sleep(1.0)
+        clock = server.clock
+        live = sum(1 for l in server.learners.values() if l.connected)
+        progress(
+            f"[{time.monotonic() - started:6.1f}s] updates {clock:6d} ({clock - last:5d}/s)  "
+            f"mean staleness {server.staleness.mean:5.2f}  learners {live}"
+        )
+        last = clock

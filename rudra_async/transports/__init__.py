@@ -1,0 +1,46 @@
+"""Transports by URL scheme: built-ins from a table, third parties by entry point.
+
+A transport module (or object) exposes ``connect(url, *, limits, timeout)`` and
+``listen(url, on_connection, *, limits)``; see :mod:`rudra_async.transports.base`.
+Third-party transports register under the entry-point group ``rudra_async.transports``
+with the URL scheme as the name.
+"""
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+from ..wire import Limits
+from .base import Connection, Listener, OnConnection
+
+BUILTIN = {"tcp": "rudra_async.transports.tcp"}
+ENTRY_POINT_GROUP = "rudra_async.transports"
+
+__all__ = ["Connection", "Listener", "connect", "listen", "transport_for", "known_schemes"]
+
+
+def known_schemes() -> list[str]:
+    return sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def transport_for(url: str) -> Any:
+    """Return the transport implementation for ``url``'s scheme."""
+    scheme = urlsplit(url).scheme
+    if not scheme:
+        raise ConfigError(f"address {url!r} has no scheme; expected e.g. tcp://127.0.0.1:7000")
+    if scheme in BUILTIN:
+        return importlib.import_module(BUILTIN[scheme])
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=scheme):
+        return ep.load()
+    raise ConfigError(f"no transport for scheme {scheme!r} in {url!r}; known: {', '.join(known_schemes())}")
+
+
+async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> Connection:
+    return await transport_for(url).connect(url, limits=limits, timeout=timeout)
+
+
+async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> Listener:
+    return await transport_for(url).listen(url, on_connection, limits=limits)

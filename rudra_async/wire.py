@@ -1,0 +1,328 @@
+"""The wire format: pure functions and an incremental frame reader, no I/O.
+
+A frame is a fixed 24-byte header, a msgpack map of metadata, and a body of raw array
+segments laid end to end::
+
+    magic "RDRA" | version u8 | type u8 | flags u16 | meta_len u64 | body_len u64   (little-endian)
+    meta: msgpack map; key "seg" lists each segment as [dtype string, shape list]
+    body: the segments' bytes, C order, no padding
+
+Segments are sent as views of the caller's arrays (``encode_frame`` copies nothing) and
+received into buffers the caller may choose (``FrameReader(allocate=...)``), so a 100 MB
+gradient crosses the process boundary without an extra copy. ``docs/wire.md`` is the
+normative description.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import msgpack
+import numpy as np
+
+from .errors import BadMagic, BadVersion, FrameTooLarge, MalformedFrame, WireError
+
+MAGIC = b"RDRA"
+WIRE_VERSION = 1
+HEADER = struct.Struct("<4sBBHQQ")
+HEADER_SIZE = HEADER.size  # 24
+
+DEFAULT_MAX_META = 1 << 20  # 1 MiB of metadata is far more than any message needs
+DEFAULT_MAX_BODY = 1 << 33  # 8 GiB; 64-bit lengths, so no 2 GB cliff
+
+#: dtypes allowed in segments (little-endian or byte-sized numeric types).
+ALLOWED_DTYPES = frozenset(
+    ["<f2", "<f4", "<f8", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "|b1"]
+)
+
+
+class MsgType(enum.IntEnum):
+    """Message types. Values are part of the wire format and never change."""
+
+    HELLO = 1
+    WELCOME = 2
+    PUSH = 3
+    PULL = 4
+    WEIGHTS = 5
+    ACK = 6
+    ERROR = 7
+    BYE = 8
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Largest metadata and body a reader accepts (and a writer will send)."""
+
+    max_meta: int = DEFAULT_MAX_META
+    max_body: int = DEFAULT_MAX_BODY
+
+
+@dataclass(frozen=True)
+class Header:
+    msg_type: int
+    flags: int
+    meta_len: int
+    body_len: int
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, WIRE_VERSION, self.msg_type, self.flags, self.meta_len, self.body_len)
+
+
+def unpack_header(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> Header:
+    """Parse and validate a header. Raises a fatal :class:`WireError` on any violation."""
+    if len(data) != HEADER_SIZE:
+        raise MalformedFrame(f"header must be {HEADER_SIZE} bytes, got {len(data)}")
+    magic, version, msg_type, flags, meta_len, body_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise BadMagic(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise BadVersion(f"wire version {version} not supported (this side speaks {WIRE_VERSION})")
+    if meta_len > limits.max_meta:
+        raise FrameTooLarge(f"metadata of {meta_len} bytes exceeds the limit of {limits.max_meta}")
+    if body_len > limits.max_body:
+        raise FrameTooLarge(f"body of {body_len} bytes exceeds the limit of {limits.max_body}")
+    return Header(msg_type, flags, meta_len, body_len)
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_wire(self) -> list[Any]:
+        return [self.dtype.str, list(self.shape)]
+
+
+def spec_of(array: np.ndarray) -> SegmentSpec:
+    dt = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dt.str not in ALLOWED_DTYPES:
+        raise MalformedFrame(f"dtype {array.dtype} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+    return SegmentSpec(dt, tuple(int(d) for d in array.shape))
+
+
+def parse_segments(meta: dict[str, Any], body_len: int) -> list[SegmentSpec]:
+    """Read and validate the ``seg`` list of a metadata map against the body length."""
+    raw = meta.get("seg", [])
+    if not isinstance(raw, list):
+        raise MalformedFrame("'seg' must be a list")
+    specs: list[SegmentSpec] = []
+    total = 0
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)):
+            raise MalformedFrame(f"bad segment descriptor {item!r}; expected [dtype, shape]")
+        dtype_str, shape = item
+        if dtype_str not in ALLOWED_DTYPES:
+            raise MalformedFrame(f"segment dtype {dtype_str!r} not allowed")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise MalformedFrame(f"bad segment shape {shape!r}")
+        spec = SegmentSpec(np.dtype(dtype_str), tuple(shape))
+        total += spec.nbytes
+        if total > body_len:
+            break
+        specs.append(spec)
+    if total != body_len:
+        raise MalformedFrame(f"segments describe {total} bytes but the body has {body_len}")
+    return specs
+
+
+def encode_frame(
+    msg_type: int,
+    meta: dict[str, Any] | None = None,
+    arrays: Sequence[np.ndarray] = (),
+    limits: Limits = Limits(),
+) -> list[bytes | memoryview]:
+    """Return the frame as buffers for ``writelines``: header+meta, then one view per array.
+
+    The arrays are not copied; the caller must not modify them until the buffers are sent.
+    Non-contiguous arrays are rejected rather than silently copied.
+    """
+    meta = dict(meta or {})
+    views: list[memoryview] = []
+    if arrays:
+        specs = []
+        for a in arrays:
+            if not a.flags.c_contiguous:
+                raise MalformedFrame("arrays must be C-contiguous (use np.ascontiguousarray)")
+            specs.append(spec_of(a).to_wire())
+            if a.nbytes:
+                views.append(memoryview(a.reshape(-1).view(np.uint8)))
+        meta["seg"] = specs
+    packed = msgpack.packb(meta, use_bin_type=True)
+    body_len = sum(v.nbytes for v in views)
+    if len(packed) > limits.max_meta:
+        raise FrameTooLarge(f"metadata of {len(packed)} bytes exceeds the limit of {limits.max_meta}")
+    if body_len > limits.max_body:
+        raise FrameTooLarge(f"body of {body_len} bytes exceeds the limit of {limits.max_body}")
+    head = Header(int(msg_type), 0, len(packed), body_len).pack() + packed
+    return [head, *views]
+
+
+def decode_meta(data: bytes | memoryview) -> dict[str, Any]:
+    """Decode a metadata map. Raises a non-fatal :class:`MalformedFrame` if it is not one."""
+    try:
+        meta = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MalformedFrame(f"metadata is not valid msgpack: {exc}") from None
+    if not isinstance(meta, dict):
+        raise MalformedFrame("metadata must be a msgpack map")
+    return meta
+
+
+@dataclass
+class Frame:
+    """One received frame. ``arrays`` are views over ``body``; call ``release`` when done."""
+
+    msg_type: int
+    meta: dict[str, Any]
+    body: memoryview
+    specs: list[SegmentSpec] = field(default_factory=list)
+    error: WireError | None = None  # set when the frame was read but is not valid
+    _release: Callable[[], None] | None = None
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        out, off = [], 0
+        for s in self.specs:
+            n = s.nbytes
+            out.append(np.frombuffer(self.body[off : off + n], dtype=s.dtype).reshape(s.shape))
+            off += n
+        return out
+
+    def release(self) -> None:
+        """Give the body buffer back to the reader for reuse. Idempotent."""
+        if self._release is not None:
+            self._release, release = None, self._release
+            release()
+
+
+#: ``allocate(msg_type, meta, nbytes)`` may return a writable buffer of exactly ``nbytes``
+#: to receive the body into (e.g. a model's parameter buffer), or None for the default pool.
+Allocator = Callable[[int, dict[str, Any], int], "memoryview | None"]
+
+
+class FrameReader:
+    """Incremental frame parser shaped for ``asyncio.BufferedProtocol``.
+
+    Call :meth:`get_buffer` to learn where the next bytes go, write at most that many
+    there, and report the count with :meth:`advance`, which returns the frames finished.
+    Reads are exact (header, then metadata, then body), so the body lands directly in its
+    final buffer. A fatal :class:`WireError` from ``advance`` means the stream is lost.
+    """
+
+    _SKIP_CHUNK = 1 << 20
+
+    def __init__(self, limits: Limits = Limits(), allocate: Allocator | None = None) -> None:
+        self.limits = limits
+        self.allocate = allocate
+        self._head = bytearray(HEADER_SIZE)
+        self._free: list[bytearray] = []
+        self._begin_header()
+
+    # -- state -------------------------------------------------------------------------
+    def _begin_header(self) -> None:
+        self._state = "header"
+        self._buf: memoryview = memoryview(self._head)
+        self._pos = 0
+        self._header: Header | None = None
+        self._meta: dict[str, Any] = {}
+        self._specs: list[SegmentSpec] = []
+        self._error: WireError | None = None
+        self._owned: bytearray | None = None
+        self._skip_left = 0
+
+    @property
+    def mid_frame(self) -> bool:
+        """True when some bytes of a frame have arrived but not all of it."""
+        return not (self._state == "header" and self._pos == 0)
+
+    def get_buffer(self) -> memoryview:
+        return self._buf[self._pos :]
+
+    def advance(self, n: int) -> list[Frame]:
+        self._pos += n
+        frames: list[Frame] = []
+        while self._pos == len(self._buf):
+            frame = self._step()
+            if frame is not None:
+                frames.append(frame)
+                break  # the next header starts with an empty buffer
+        return frames
+
+    def _step(self) -> Frame | None:
+        if self._state == "header":
+            self._header = unpack_header(self._head, self.limits)
+            self._state, self._pos = "meta", 0
+            self._buf = memoryview(bytearray(self._header.meta_len))
+            return None
+        if self._state == "meta":
+            assert self._header is not None
+            try:
+                self._meta = decode_meta(self._buf) if self._header.meta_len else {}
+                self._specs = parse_segments(self._meta, self._header.body_len)
+            except WireError as exc:
+                exc.fatal = False
+                self._error = exc
+            return self._begin_body()
+        if self._state == "skip":
+            self._skip_left -= self._pos
+            if self._skip_left > 0:
+                self._pos = 0
+                self._buf = self._buf[: min(self._skip_left, len(self._buf))]
+                return None
+            return self._emit(memoryview(b""))
+        return self._emit(self._buf)
+
+    def _begin_body(self) -> Frame | None:
+        assert self._header is not None
+        n = self._header.body_len
+        self._pos = 0
+        if self._error is not None:
+            self._state, self._skip_left = "skip", n
+            if n == 0:
+                return self._emit(memoryview(b""))
+            self._buf = memoryview(bytearray(min(n, self._SKIP_CHUNK)))
+            return None
+        if n == 0:
+            return self._emit(memoryview(b""))
+        self._state = "body"
+        target = self.allocate(self._header.msg_type, self._meta, n) if self.allocate else None
+        if target is None:
+            self._owned = self._take(n)
+            target = memoryview(self._owned)[:n]
+        elif len(target) != n:
+            raise ValueError("allocator returned a buffer of the wrong size")
+        self._buf = target.cast("B") if target.format != "B" else target
+        return None
+
+    def _take(self, n: int) -> bytearray:
+        for i, b in enumerate(self._free):
+            if len(b) >= n:
+                return self._free.pop(i)
+        return bytearray(n)
+
+    def _give_back(self, buf: bytearray) -> None:
+        if len(self._free) < 2:
+            self._free.append(buf)
+
+    def _emit(self, body: memoryview) -> Frame:
+        assert self._header is not None
+        owned = self._owned
+        frame = Frame(
+            self._header.msg_type,
+            self._meta,
+            body,
+            self._specs,
+            self._error,
+            (lambda: self._give_back(owned)) if owned is not None else None,
+        )
+        self._begin_header()
+        return frame
