@@ -142,9 +142,13 @@ class ParameterServer:
 
     # -- connections --------------------------------------------------------------------------
     def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> None:
-        """Refuse bodies larger than the weights once the layout is known (memory safety)."""
-        if self.store is not None and nbytes > self.store.layout.nbytes:
-            raise FrameTooLarge(f"body of {nbytes} bytes exceeds the model size ({self.store.layout.nbytes} bytes)")
+        """Once the layout is known, refuse bodies far larger than any valid request (memory safety).
+
+        Up to twice the model size is still read, so a float64 gradient gets a precise
+        ``bad_dtype`` answer instead of a dropped connection.
+        """
+        if self.store is not None and nbytes > 2 * self.store.layout.nbytes + 65536:
+            raise FrameTooLarge(f"body of {nbytes} bytes is far larger than the model ({self.store.layout.nbytes} bytes)")
         return None  # the reader's reusable pool takes it
 
     async def _handle(self, conn: Connection) -> None:

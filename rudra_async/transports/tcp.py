@@ -23,6 +23,7 @@ from .base import Connection, Listener, OnConnection
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_FRAMES = 8  # pause reading beyond this many unconsumed frames
+LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -77,10 +78,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         try:
             frames = self.reader.advance(nbytes)
         except WireError as exc:
-            self.broken = True
+            self.broken = True  # from now on incoming bytes are read and discarded
             self._push(exc)
-            if self.transport is not None:
-                self.transport.pause_reading()
             return
         for f in frames:
             self._push(f)
@@ -172,11 +171,21 @@ class TcpConnection(Connection):
         return item
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._proto.transport is not None:
-                self._proto.transport.close()
-            self._proto._wake()
+        if self._closed:
+            return
+        self._closed = True
+        transport = self._proto.transport
+        if transport is not None:
+            if self._proto.broken and self._proto.lost is None and transport.can_write_eof():
+                # Closing with unread bytes would reset the connection and destroy the error
+                # reply just sent; half-close instead, discard input, and close a bit later.
+                transport.write_eof()
+                if self._proto.reading_paused:
+                    transport.resume_reading()
+                asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+            else:
+                transport.close()
+        self._proto._wake()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,59 @@
+"""Shared test helpers: a real server on a loopback port, raw frame reading."""
+import asyncio
+import contextlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from rudra_async.config import ServerConfig
+from rudra_async.layout import Layout
+from rudra_async.server import ParameterServer
+from rudra_async.wire import FrameReader, Frame
+
+LOOPBACK = "tcp://127.0.0.1:0"
+
+
+@contextlib.asynccontextmanager
+async def run_server(**overrides):
+    """A real server on a loopback port chosen by the OS, serving in the background."""
+    cfg = ServerConfig(**{"listen": [LOOPBACK], **overrides})
+    async with ParameterServer(cfg) as ps:
+        task = asyncio.create_task(ps.serve())
+        try:
+            yield ps
+        finally:
+            await ps.close()
+            await task
+
+
+def small_layout() -> Layout:
+    return Layout.from_shapes([("w", (3, 4)), ("b", (4,))])
+
+
+def initial_weights(layout: Layout, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(layout.size).astype(np.float32)
+
+
+async def read_frame(reader: asyncio.StreamReader, timeout: float = 5.0) -> Frame:
+    """Read one frame from a raw stream (for tests that speak bytes to the server)."""
+    fr = FrameReader()
+    while True:
+        buf = fr.get_buffer()
+        data = await asyncio.wait_for(reader.read(len(buf)), timeout)
+        if not data:
+            raise EOFError("server closed the connection")
+        buf[: len(data)] = data
+        frames = fr.advance(len(data))
+        if frames:
+            return frames[0]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+PYTHON = sys.executable

@@ -1,0 +1,159 @@
+"""The wire format: round trips through the incremental reader, and every header violation."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rudra_async import errors
+from rudra_async.wire import (
+    ALLOWED_DTYPES,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    FrameReader,
+    Limits,
+    MsgType,
+    encode_frame,
+    unpack_header,
+)
+
+
+def feed(reader: FrameReader, data: bytes, chunks: list[int]):
+    """Feed bytes in the given chunk sizes (cycled); return every frame produced."""
+    out, pos, i = [], 0, 0
+    while pos < len(data):
+        buf = reader.get_buffer()
+        n = min(len(buf), max(1, chunks[i % len(chunks)]), len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        pos += n
+        i += 1
+        out += reader.advance(n)
+    return out
+
+
+def joined(parts) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+small_shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
+dtypes = st.sampled_from(sorted(ALLOWED_DTYPES))
+
+
+@st.composite
+def arrays(draw):
+    dt = np.dtype(draw(dtypes))
+    shape = draw(small_shapes)
+    raw = draw(st.binary(min_size=int(np.prod(shape)) * dt.itemsize, max_size=int(np.prod(shape)) * dt.itemsize))
+    a = np.frombuffer(raw, dtype=np.uint8).view(dt).reshape(shape) if raw else np.zeros(shape, dt)
+    return a.copy()
+
+
+meta_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    msg_type=st.sampled_from(list(MsgType)),
+    meta=st.dictionaries(st.text(max_size=10).filter(lambda k: k != "seg"), meta_values, max_size=5),
+    arrs=st.lists(arrays(), max_size=4),
+    chunks=st.lists(st.integers(1, 97), min_size=1, max_size=5),
+)
+def test_round_trip_small(msg_type, meta, arrs, chunks):
+    data = joined(encode_frame(msg_type, meta, arrs))
+    frames = feed(FrameReader(), data * 2, chunks)  # two frames back to back
+    assert len(frames) == 2
+    for f in frames:
+        assert f.msg_type == msg_type and f.error is None
+        assert {k: v for k, v in f.meta.items() if k != "seg"} == meta
+        got = f.arrays
+        assert len(got) == len(arrs)
+        for a, b in zip(arrs, got):
+            assert a.dtype.str == b.dtype.str and a.shape == b.shape
+            assert a.tobytes() == b.tobytes()
+
+
+BIG = 64 * 1024 * 1024 + 12  # > 64 MiB
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 7, BIG]), min_size=1, max_size=2).filter(lambda s: BIG in s),
+    dtype=st.sampled_from(["<f4", "|u1", "<f2"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_round_trip_large_segments_into_preallocated_buffer(sizes, dtype, seed):
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    arrs = [rng.integers(0, 255, size=n // dt.itemsize * dt.itemsize, dtype=np.uint8).view(dt) for n in sizes]
+    parts = encode_frame(MsgType.PUSH, {"timestamp": 1}, arrs)
+    # encode_frame must not copy: the segment parts are views of the caller's arrays
+    assert all(np.shares_memory(np.frombuffer(p, np.uint8), a) for p, a in zip(parts[1:], [a for a in arrs if a.nbytes]))
+    target = bytearray(sum(a.nbytes for a in arrs))
+    reader = FrameReader(allocate=lambda t, m, n: memoryview(target) if n == len(target) else None)
+    frames = feed(reader, joined(parts), [1 << 22, 13, 1 << 20])
+    assert len(frames) == 1
+    for a, b in zip(arrs, frames[0].arrays):
+        assert np.shares_memory(b, np.frombuffer(target, np.uint8))  # landed in our buffer
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def header(magic=MAGIC, version=1, mtype=3, flags=0, meta_len=0, body_len=0) -> bytes:
+    return HEADER.pack(magic, version, mtype, flags, meta_len, body_len)
+
+
+@pytest.mark.parametrize(
+    "raw, exc",
+    [
+        (header(magic=b"XXXX"), errors.BadMagic),
+        (header(version=9), errors.BadVersion),
+        (header(meta_len=2 << 20), errors.FrameTooLarge),
+        (header(body_len=2**63), errors.FrameTooLarge),
+    ],
+)
+def test_bad_headers_are_fatal(raw, exc):
+    with pytest.raises(exc) as info:
+        feed(FrameReader(), raw, [HEADER_SIZE])
+    assert info.value.fatal
+
+
+def test_limits_apply_to_writer_and_reader():
+    big = np.zeros(2048, np.uint8)
+    with pytest.raises(errors.FrameTooLarge):
+        encode_frame(MsgType.PUSH, {}, [big], Limits(max_body=1024))
+    with pytest.raises(errors.FrameTooLarge):
+        unpack_header(header(body_len=2048), Limits(max_body=1024))
+
+
+@pytest.mark.parametrize(
+    "meta_bytes",
+    [b"\xc1", b"\x93\x01\x02\x03", b"\x81\xa3seg\x91\x92\xa3<f4\x91\x05"],  # bad msgpack, not a map, seg ≠ body
+    ids=["invalid", "not-a-map", "segments-disagree"],
+)
+def test_bad_metadata_is_reported_and_skipped(meta_bytes):
+    body = b"\x00" * 8
+    bad = header(meta_len=len(meta_bytes), body_len=len(body)) + meta_bytes + body
+    good = joined(encode_frame(MsgType.PULL, {"newer_than": 3}))
+    frames = feed(FrameReader(), bad + good, [5])
+    assert frames[0].error is not None and not frames[0].error.fatal
+    assert frames[1].error is None and frames[1].meta == {"newer_than": 3}
+
+
+def test_non_contiguous_and_unsupported_dtypes_are_refused():
+    with pytest.raises(errors.MalformedFrame):
+        encode_frame(MsgType.PUSH, {}, [np.zeros((4, 4), np.float32)[:, 1]])
+    with pytest.raises(errors.MalformedFrame):
+        encode_frame(MsgType.PUSH, {}, [np.zeros(3, np.complex64)])
+
+
+def test_body_buffers_are_reused_after_release():
+    reader = FrameReader()
+    data = joined(encode_frame(MsgType.PUSH, {}, [np.ones(1000, np.float32)]))
+    (first,) = feed(reader, data, [1 << 16])
+    first_buf = first.body.obj
+    first.release()
+    (second,) = feed(reader, data, [1 << 16])
+    assert second.body.obj is first_buf
