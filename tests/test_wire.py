@@ -97,7 +97,8 @@ def test_round_trip_large_segments_into_preallocated_buffer(sizes, dtype, seed):
     frames = feed(reader, joined(parts), [1 << 22, 13, 1 << 20])
     assert len(frames) == 1
     for a, b in zip(arrs, frames[0].arrays):
-        assert np.shares_memory(b, np.frombuffer(target, np.uint8))  # landed in our buffer
+        if a.nbytes:
+            assert np.shares_memory(b, np.frombuffer(target, np.uint8))  # landed in our buffer
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
