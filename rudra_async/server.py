@@ -65,6 +65,7 @@ class ParameterServer:
         self._listeners: list[Listener] = []
         self._closed: asyncio.Event | None = None
         self._initialized: asyncio.Event | None = None
+        self.update_seconds = 0.0  # time spent in the update kernel
         self.first_update_at: float | None = None
         self.last_update_at: float | None = None
 
@@ -135,6 +136,7 @@ class ParameterServer:
             "protocol": self.config.protocol,
             "updates": self.clock,
             "gradients": self.staleness.total,
+            "update_seconds": self.update_seconds,
             **self.staleness.summary(),
             "learners": {str(i): {"name": l.name, "gradients": l.gradients} for i, l in self.learners.items()},
             "rejected": dict(self.rejected),
@@ -206,7 +208,9 @@ class ParameterServer:
             raise RequestError("gradient contains NaN or infinity", code="bad_gradient")
         sigma = store.clock - stamp
         cfg = self.config
+        t0 = time.perf_counter()
         store.apply([grad], [1.0], cfg.lr, cfg.momentum, cfg.weight_decay, cfg.nesterov)
+        self.update_seconds += time.perf_counter() - t0
         now = time.monotonic()
         self.first_update_at = self.first_update_at or now
         self.last_update_at = now

@@ -6,6 +6,7 @@ through the whole barrage; at the end the weights must equal the initial ones bi
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -134,7 +135,7 @@ async def test_truncated_frame_is_dropped_without_effect(cut, caplog):
         await owner.close()
 
 
-def test_metadata_msgpack_is_documented_map():
-    # guard for the docs' example: a PULL frame is 24 header bytes + a msgpack map
-    data = frame(MsgType.PULL, {"newer_than": -1})
-    assert data[:4] == MAGIC and msgpack.unpackb(data[24:]) == {"newer_than": -1}
+def test_documented_pull_example_is_what_the_encoder_writes():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "wire.md").read_text()
+    block = doc.split("## Example: a PULL")[1].split("```")[1]
+    assert bytes.fromhex(block) == frame(MsgType.PULL, {"newer_than": -1})

@@ -1,0 +1,166 @@
+"""Push+pull round trip over TCP against a raw uvloop socket baseline, in one run.
+
+Each round trip moves the gradient up and the weights down (2 × SIZE bytes). The baseline
+moves the same bytes with a bare uvloop BufferedProtocol echo (preallocated buffers, no
+framing, no update). The server runs in its own process, like a real deployment.
+
+    python benchmarks/tcp_roundtrip.py [--mb 100] [--reps 10]
+
+Prints medians and the ratio rudra/baseline for throughput (higher is better), both for
+the whole round trip and for the transport share (the server's update-kernel time taken
+out), and the small-message round-trip latency.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+import uvloop
+
+from rudra_async.client import Client
+from rudra_async.config import ServerConfig
+from rudra_async.layout import Layout
+from rudra_async.server import ParameterServer
+
+
+# -- baseline: raw uvloop echo of N bytes -------------------------------------------------------
+class _Echo(asyncio.BufferedProtocol):
+    def __init__(self, nbytes: int) -> None:
+        self.buf = bytearray(nbytes)
+        self.out = bytearray(nbytes)
+        self.pos = 0
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def get_buffer(self, sizehint):
+        return memoryview(self.buf)[self.pos :]
+
+    def buffer_updated(self, n):
+        self.pos += n
+        if self.pos == len(self.buf):
+            self.pos = 0
+            self.transport.write(self.out)
+
+
+class _Client(asyncio.BufferedProtocol):
+    def __init__(self, nbytes: int) -> None:
+        self.buf = bytearray(nbytes)
+        self.pos = 0
+        self.done: asyncio.Future | None = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def get_buffer(self, sizehint):
+        return memoryview(self.buf)[self.pos :]
+
+    def buffer_updated(self, n):
+        self.pos += n
+        if self.pos == len(self.buf):
+            self.pos = 0
+            self.done.set_result(None)
+
+
+def _serve_raw(nbytes: int, port_q) -> None:
+    async def main():
+        server = await asyncio.get_running_loop().create_server(lambda: _Echo(nbytes), "127.0.0.1", 0)
+        port_q.put(server.sockets[0].getsockname()[1])
+        await asyncio.sleep(3600)
+
+    uvloop.run(main())
+
+
+async def raw_round_trips(port: int, nbytes: int, reps: int) -> list[float]:
+    loop = asyncio.get_running_loop()
+    _, proto = await loop.create_connection(lambda: _Client(nbytes), "127.0.0.1", port)
+    payload = bytearray(nbytes)
+    times = []
+    for _ in range(reps + 1):
+        proto.done = loop.create_future()
+        t = time.perf_counter()
+        proto.transport.write(payload)
+        await proto.done
+        times.append(time.perf_counter() - t)
+    proto.transport.close()
+    return times[1:]
+
+
+# -- rudra: a real ParameterServer in another process --------------------------------------------
+def _serve_rudra(size: int, port_q, stats_pipe) -> None:
+    async def main():
+        cfg = ServerConfig(listen=["tcp://127.0.0.1:0"], lr=1e-6, momentum=0.9)
+        async with ParameterServer(cfg, initial={"w": np.zeros(size, np.float32)}) as ps:
+            port_q.put(ps.addresses[0])
+            while not stats_pipe.poll():
+                await asyncio.sleep(0.05)
+            stats_pipe.send(ps.stats())
+
+    uvloop.run(main())
+
+
+async def rudra_round_trips(url: str, size: int, reps: int) -> list[float]:
+    client = await Client.connect(url, Layout.from_shapes([("w", (size,))]))
+    grad = np.full(size, 1e-3, np.float32)
+    w = await client.pull()
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        w = await client.push_pull(grad, w.timestamp)
+        times.append(time.perf_counter() - t)
+    await client.close()
+    return times[1:]
+
+
+def measure(size: int, reps: int) -> dict:
+    nbytes = 4 * size
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    raw = ctx.Process(target=_serve_raw, args=(nbytes, port_q), daemon=True)
+    raw.start()
+    raw_times = uvloop.run(raw_round_trips(port_q.get(timeout=30), nbytes, reps))
+    raw.kill()
+    here, there = ctx.Pipe()
+    srv = ctx.Process(target=_serve_rudra, args=(size, port_q, there), daemon=True)
+    srv.start()
+    rudra_times = uvloop.run(rudra_round_trips(port_q.get(timeout=30), size, reps))
+    here.send("stats")
+    stats = here.recv()
+    srv.kill()
+    update_per_rt = stats["update_seconds"] / stats["updates"]
+    return {
+        "bytes_per_rt": 2 * nbytes,
+        "raw": statistics.median(raw_times),
+        "rudra": statistics.median(rudra_times),
+        "update": update_per_rt,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=100.0)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--small-floats", type=int, default=256)
+    ap.add_argument("--small-reps", type=int, default=2000)
+    args = ap.parse_args()
+
+    big = measure(int(args.mb * 1e6 / 4), args.reps)
+    gbps = lambda s: big["bytes_per_rt"] / s / 1e9  # noqa: E731
+    transport = big["rudra"] - big["update"]
+    print(f"push+pull of a {args.mb:g} MB gradient ({big['bytes_per_rt'] / 1e6:.0f} MB moved per round trip), median of {args.reps}")
+    print(f"  raw uvloop socket baseline : {big['raw'] * 1e3:8.1f} ms  {gbps(big['raw']):6.2f} GB/s")
+    print(f"  rudra-async, whole trip    : {big['rudra'] * 1e3:8.1f} ms  {gbps(big['rudra']):6.2f} GB/s   ratio {big['raw'] / big['rudra']:.2f}x")
+    print(f"    of which server update   : {big['update'] * 1e3:8.1f} ms")
+    print(f"  rudra-async, transport only: {transport * 1e3:8.1f} ms  {gbps(transport):6.2f} GB/s   ratio {big['raw'] / transport:.2f}x")
+    small = measure(args.small_floats, args.small_reps)
+    print(f"small message ({4 * args.small_floats} B each way), median of {args.small_reps}")
+    print(f"  raw uvloop socket baseline : {small['raw'] * 1e6:8.1f} us")
+    print(f"  rudra-async push+pull      : {small['rudra'] * 1e6:8.1f} us   ratio {small['raw'] / small['rudra']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

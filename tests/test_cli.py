@@ -1,0 +1,117 @@
+"""The command line with real processes: train, server + learners, fast and clear failures."""
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import subprocess_env
+
+CLI = [sys.executable, "-m", "rudra_async"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+
+
+def test_train_writes_results_json(tmp_path):
+    out = tmp_path / "r.json"
+    proc = run_cli("train", "--learners", "2", "--updates", "60", "--batch-size", "16", "--quiet", "--results", str(out))
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    for key in ["protocol", "learners", "batch_size", "updates", "wall_s", "test_accuracy", "staleness_mean", "staleness_max"]:
+        assert key in res
+    assert res["protocol"] == "async" and res["learners"] == 2 and res["batch_size"] == 16
+    assert res["updates"] == 60
+    assert sum(res["staleness_histogram"].values()) == res["gradients"] == 60
+    assert set(res["per_learner"]) == {"0", "1"}
+    assert all(v["gradients"] > 0 for v in res["per_learner"].values())  # both processes really pushed
+    assert 0.0 <= res["test_accuracy"] <= 1.0 and res["wall_s"] > 0
+    assert "test accuracy" in proc.stdout
+
+
+def test_default_train_reaches_target_accuracy(tmp_path):
+    out = tmp_path / "r.json"
+    proc = run_cli("train", "--quiet", "--results", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert res["learners"] == 4
+    assert res["test_accuracy"] >= 0.93
+    assert res["staleness_max"] >= 1  # four concurrent learners really do overlap
+
+
+def test_server_and_learners_in_separate_processes():
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    server = subprocess.Popen([*CLI, "server", "--listen", url, "--max-updates", "40"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # wait until it accepts connections
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        learners = [subprocess.Popen([*CLI, "learner", "--connect", url, "--index", str(i), "--json"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+                    for i in range(2)]
+        summaries = []
+        for p in learners:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            summaries.append(json.loads(out.strip().splitlines()[-1]))
+        assert sorted(s["learner_id"] for s in summaries) == [0, 1]
+        assert sum(s["steps"] for s in summaries) == 40  # the server said stop at 40 updates
+        server.send_signal(signal.SIGTERM)
+        out, err = server.communicate(timeout=30)
+        assert server.returncode == 0, err
+        stats = json.loads(err.strip().splitlines()[-1])
+        assert stats["updates"] == 40
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def test_wrong_address_fails_at_once():
+    started = time.monotonic()
+    proc = run_cli("learner", "--connect", f"tcp://127.0.0.1:{free_port()}")
+    assert proc.returncode == 2
+    assert "cannot connect to tcp://127.0.0.1:" in proc.stderr
+    assert time.monotonic() - started < 30  # includes interpreter and torch start-up
+
+
+def test_port_in_use_fails_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run_cli("server", "--listen", f"tcp://127.0.0.1:{port}", timeout=30)
+    assert proc.returncode == 2
+    assert f"cannot listen on tcp://127.0.0.1:{port}" in proc.stderr and "in use" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["server", "--lr", "-1"], "learning rate must be > 0"),
+        (["server", "--listen", "127.0.0.1:7000"], "has no scheme"),
+        (["server", "--listen", "carrier-pigeon://x:1"], "no transport for scheme"),
+        (["train", "--learners", "0"], "at least one learner"),
+        (["learner", "--connect", "tcp://127.0.0.1:1", "--model", "nope"], "unknown model"),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(args, message):
+    proc = run_cli(*args, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
