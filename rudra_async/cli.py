@@ -32,7 +32,7 @@ def main(log_level: str) -> None:
 def sgd_options(f: Any) -> Any:
     for opt in reversed([
         click.option("--protocol", default="async", show_default=True, help="Synchronization protocol."),
-        click.option("--lr", type=float, default=0.05, show_default=True, help="Learning rate α0."),
+        click.option("--lr", type=float, default=0.03, show_default=True, help="Learning rate α0."),
         click.option("--momentum", type=float, default=0.9, show_default=True),
         click.option("--weight-decay", type=float, default=0.0, show_default=True),
     ]):

@@ -34,8 +34,11 @@ class Weights:
 
 @dataclass
 class Ack:
+    """``status`` is 'applied', 'pending' (waits for more gradients) or 'dropped'."""
+
     timestamp: int
-    staleness: int
+    status: str
+    staleness: int | None
     stop: bool
 
 
@@ -107,19 +110,22 @@ class Client:
         """The newest weights; with ``newer_than``, wait until the clock passes it."""
         return self._weights(await self._request(MsgType.PULL, {"newer_than": newer_than}))
 
-    async def push(self, grad: np.ndarray, timestamp: int, step: int = 0) -> Ack:
-        """Push a gradient computed on weights stamped ``timestamp``."""
-        reply = _check(await self._request(MsgType.PUSH, self._push_meta(timestamp, step, False), [grad]), MsgType.ACK)
+    async def push(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0) -> Ack:
+        """Push a gradient computed on weights stamped ``timestamp`` over ``samples`` examples."""
+        meta = self._push_meta(timestamp, step, samples, False)
+        reply = _check(await self._request(MsgType.PUSH, meta, [grad]), MsgType.ACK)
         reply.release()
         m = reply.meta
-        return Ack(m["timestamp"], m["staleness"], bool(m.get("stop")))
+        return Ack(m["timestamp"], m["status"], m.get("staleness"), bool(m.get("stop")))
 
-    async def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0) -> Weights:
-        """Push a gradient and get the weights after it, in one round trip."""
-        return self._weights(await self._request(MsgType.PUSH, self._push_meta(timestamp, step, True), [grad]))
+    async def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0) -> Weights:
+        """Push a gradient and get the weights the protocol lets this learner have next, in one
+        round trip (for hardsync: the weights after this round's update)."""
+        meta = self._push_meta(timestamp, step, samples, True)
+        return self._weights(await self._request(MsgType.PUSH, meta, [grad]))
 
-    def _push_meta(self, timestamp: int, step: int, pull: bool) -> dict[str, Any]:
-        return {"learner_id": self.learner_id, "timestamp": timestamp, "step": step, "pull": pull}
+    def _push_meta(self, timestamp: int, step: int, samples: int, pull: bool) -> dict[str, Any]:
+        return {"learner_id": self.learner_id, "timestamp": timestamp, "step": step, "samples": samples, "pull": pull}
 
     async def close(self) -> None:
         """Say bye (best effort) and close. Idempotent."""
@@ -173,11 +179,11 @@ class SyncClient:
     def pull(self, newer_than: int = -1) -> Weights:
         return self._runner.run(self._client.pull(newer_than))
 
-    def push(self, grad: np.ndarray, timestamp: int, step: int = 0) -> Ack:
-        return self._runner.run(self._client.push(grad, timestamp, step))
+    def push(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0) -> Ack:
+        return self._runner.run(self._client.push(grad, timestamp, step, samples))
 
-    def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0) -> Weights:
-        return self._runner.run(self._client.push_pull(grad, timestamp, step))
+    def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0) -> Weights:
+        return self._runner.run(self._client.push_pull(grad, timestamp, step, samples))
 
     def close(self) -> None:
         try:

@@ -2,36 +2,52 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 from .wire import DEFAULT_MAX_BODY
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
 
+#: built-in protocol -> (its option, the config field holding it)
+PROTOCOL_OPTIONS = {"softsync": ("n", "n"), "bounded": ("s", "staleness_bound"), "backup": ("b", "backup")}
+
 
 @dataclass
 class ServerConfig:
     """What a :class:`~rudra_async.server.ParameterServer` needs.
 
-    ``lr``, ``momentum``, ``weight_decay`` and ``nesterov`` configure the server-side SGD.
-    ``max_updates`` ends the run: once the clock reaches it, replies carry ``stop`` and
-    further gradients are refused with ``stopped``.
+    Optimizer: ``lr`` (α0), ``momentum``, ``weight_decay``, ``nesterov``. Protocol:
+    ``protocol`` with ``n`` (softsync), ``staleness_bound`` (bounded), ``backup``
+    (backup), or ``protocol_options`` for a plugin. LR: ``lr_policy`` and the schedule
+    fields. ``max_updates`` ends the run: once the clock reaches it, replies carry
+    ``stop`` and further gradients are refused with ``stopped``.
     """
 
     listen: list[str] = field(default_factory=lambda: [DEFAULT_LISTEN])
     protocol: str = "async"
-    lr: float = 0.05
+    n: int | None = None
+    staleness_bound: int | None = None
+    backup: int | None = None
+    protocol_options: dict[str, Any] = field(default_factory=dict)
+    lr: float = 0.03
     momentum: float = 0.9
     weight_decay: float = 0.0
     nesterov: bool = False
+    lr_policy: str = "constant"
+    mean_staleness_window: int = 0
+    lr_decay_at: tuple[float, ...] = ()
+    lr_decay: float = 0.1
+    lr_decay_unit: str = "updates"
+    warmup: int = 0
+    lr_scale_ref_batch: int | None = None
+    samples_per_epoch: int | None = None
     max_updates: int | None = None
     max_frame: int = DEFAULT_MAX_BODY
 
     def validate(self) -> "ServerConfig":
         if not self.listen:
             raise ConfigError("the server needs at least one address to listen on")
-        if self.protocol != "async":
-            raise ConfigError(f"unknown protocol {self.protocol!r}; known: async")
         if not self.lr > 0:
             raise ConfigError(f"learning rate must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -44,4 +60,32 @@ class ServerConfig:
             raise ConfigError(f"max updates must be >= 1, got {self.max_updates}")
         if self.max_frame < 1024:
             raise ConfigError(f"max frame must be at least 1024 bytes, got {self.max_frame}")
+        if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
+            raise ConfigError(f"samples per epoch must be >= 1, got {self.samples_per_epoch}")
+        if self.lr_decay_unit == "epochs" and self.lr_decay_at and not self.samples_per_epoch:
+            raise ConfigError("epoch-based LR decay needs --samples-per-epoch")
+        for proto, (_, attr) in PROTOCOL_OPTIONS.items():
+            if getattr(self, attr) is not None and self.protocol != proto:
+                flag = "--" + attr.replace("_", "-")
+                raise ConfigError(f"{flag} applies only to --protocol {proto}, not {self.protocol}")
+        for attr, low in (("n", 1), ("staleness_bound", 0), ("backup", 0)):
+            value = getattr(self, attr)
+            if value is not None and value < low:
+                raise ConfigError(f"--{attr.replace('_', '-')} must be >= {low}, got {value}")
         return self
+
+    def protocol_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments for the chosen protocol."""
+        kwargs = dict(self.protocol_options)
+        if self.protocol in PROTOCOL_OPTIONS:
+            key, attr = PROTOCOL_OPTIONS[self.protocol]
+            if getattr(self, attr) is not None:
+                kwargs[key] = getattr(self, attr)
+        return kwargs
+
+    def check_learners(self, learners: int) -> None:
+        """Combinations that depend on λ (known to ``train``, not to a bare server)."""
+        if self.n is not None and self.n > learners:
+            raise ConfigError(f"softsync needs n <= λ; got n = {self.n} with {learners} learners")
+        if self.backup is not None and self.backup >= learners:
+            raise ConfigError(f"backup needs b < λ; got b = {self.backup} with {learners} learners")

@@ -1,4 +1,4 @@
-"""The parameter server: transport → request handling → update kernel, on one event loop.
+"""The parameter server: transport → sync protocol → LR policy → update kernel, on one loop.
 
 Embed it::
 
@@ -16,16 +16,18 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from . import __version__, transports
+from . import __version__, registry, transports
 from .config import ServerConfig
-from .errors import FrameTooLarge, RequestError, RudraError, WireError
+from .errors import ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
 from .layout import Layout
+from .lr import LRPolicy, Schedule
 from .stats import StalenessHistogram
 from .store import WeightStore
+from .sync import Decision, Gradient, SyncProtocol
 from .transports.base import Connection, Listener
 from .wire import Frame, Limits, MsgType
 
@@ -38,8 +40,20 @@ class LearnerInfo:
     name: str
     peer: str
     joined_at: float = field(default_factory=time.monotonic)
-    gradients: int = 0
+    applied: int = 0
+    dropped: int = 0
     connected: bool = True
+
+
+@dataclass(eq=False)
+class _Pending:
+    """What the server keeps of a gradient until its update: the frame holding its bytes."""
+
+    frame: Frame
+    grad: np.ndarray
+    samples: int
+    outcome: str = "pending"  # → "applied" | "dropped"
+    staleness: int | None = None
 
 
 def _int_field(meta: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -49,10 +63,33 @@ def _int_field(meta: dict[str, Any], key: str, default: int | None = None) -> in
     return value
 
 
+def make_protocol(cfg: ServerConfig) -> SyncProtocol:
+    cls = registry.resolve("protocol", cfg.protocol)
+    try:
+        proto = cls(**cfg.protocol_kwargs())
+    except TypeError as exc:
+        raise ConfigError(f"protocol {cfg.protocol!r} rejected its options {cfg.protocol_kwargs()}: {exc}") from None
+    if not isinstance(proto, SyncProtocol):
+        raise ConfigError(f"protocol {cfg.protocol!r} is not a rudra_async.sync.SyncProtocol")
+    return proto
+
+
+def make_lr_policy(cfg: ServerConfig) -> LRPolicy:
+    cls = registry.resolve("lr policy", cfg.lr_policy)
+    policy = cls(window=cfg.mean_staleness_window) if cfg.lr_policy == "mean-staleness" else cls()
+    if not isinstance(policy, LRPolicy):
+        raise ConfigError(f"lr policy {cfg.lr_policy!r} is not a rudra_async.lr.LRPolicy")
+    return policy
+
+
 class ParameterServer:
     def __init__(self, config: ServerConfig | None = None, *, initial: dict[str, np.ndarray] | None = None) -> None:
         self.config = (config or ServerConfig()).validate()
-        self.limits = Limits(max_body=self.config.max_frame)
+        cfg = self.config
+        self.limits = Limits(max_body=cfg.max_frame)
+        self.protocol = make_protocol(cfg)
+        self.lr_policy = make_lr_policy(cfg)
+        self.schedule = Schedule(cfg.lr, cfg.lr_decay_at, cfg.lr_decay, cfg.lr_decay_unit, cfg.warmup, cfg.lr_scale_ref_batch)
         self.store: WeightStore | None = None
         if initial is not None:
             layout = Layout.from_shapes((k, np.shape(a)) for k, a in initial.items())
@@ -61,13 +98,15 @@ class ParameterServer:
         self.learners: dict[int, LearnerInfo] = {}
         self.staleness = StalenessHistogram()
         self.rejected: dict[str, int] = {}
+        self.samples_seen = 0
+        self.update_seconds = 0.0  # time spent in the update kernel
+        self.first_update_at: float | None = None
+        self.last_update_at: float | None = None
         self._next_id = 0
         self._listeners: list[Listener] = []
         self._closed: asyncio.Event | None = None
         self._initialized: asyncio.Event | None = None
-        self.update_seconds = 0.0  # time spent in the update kernel
-        self.first_update_at: float | None = None
-        self.last_update_at: float | None = None
+        self._changed = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -82,7 +121,7 @@ class ParameterServer:
         except BaseException:
             await self.close()
             raise
-        log.info("parameter server listening on %s (protocol %s)", ", ".join(self.addresses), self.config.protocol)
+        log.info("parameter server listening on %s (%s)", ", ".join(self.addresses), self.protocol.describe())
 
     async def serve(self) -> None:
         """Run until :meth:`close` is called (starts the server if needed)."""
@@ -93,11 +132,12 @@ class ParameterServer:
 
     async def close(self) -> None:
         """Stop listening and drop every connection. Idempotent."""
+        if self._closed is not None:
+            self._closed.set()
+        self._notify()
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
-        if self._closed is not None:
-            self._closed.set()
 
     async def __aenter__(self) -> "ParameterServer":
         await self.start()
@@ -119,6 +159,10 @@ class ParameterServer:
         limit = self.config.max_updates
         return limit is not None and self.clock >= limit
 
+    @property
+    def closing(self) -> bool:
+        return self._closed is not None and self._closed.is_set()
+
     async def wait_initialized(self) -> None:
         assert self._initialized is not None, "start() first"
         await self._initialized.wait()
@@ -131,16 +175,80 @@ class ParameterServer:
         return {t.name: flat[t.offset : t.offset + t.size].reshape(t.shape).copy() for t in self.store.layout.tensors}
 
     def stats(self) -> dict[str, Any]:
-        """Statistics for reports: clock, staleness, per-learner gradients, rejections."""
+        """Statistics for reports and embedding apps (plain JSON-able values)."""
         return {
-            "protocol": self.config.protocol,
+            **self.protocol.describe(),
+            "lr_policy": self.config.lr_policy,
             "updates": self.clock,
             "gradients": self.staleness.total,
+            "dropped": sum(l.dropped for l in self.learners.values()),
+            "samples": self.samples_seen,
             "update_seconds": self.update_seconds,
             **self.staleness.summary(),
-            "learners": {str(i): {"name": l.name, "gradients": l.gradients} for i, l in self.learners.items()},
+            "learners": {
+                str(i): {"name": l.name, "gradients": l.applied, "dropped": l.dropped, "connected": l.connected}
+                for i, l in self.learners.items()
+            },
             "rejected": dict(self.rejected),
         }
+
+    # -- waiting ------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until(self, ready: Callable[[], bool], conn: Connection) -> None:
+        """Wait until ``ready()`` (re-checked on every state change), the run stops or closes.
+        Raises PeerGone if the connection is lost meanwhile."""
+        lost = asyncio.ensure_future(conn.wait_lost())
+        try:
+            while not (ready() or self.stopped or self.closing):
+                changed = asyncio.ensure_future(self._changed.wait())
+                await asyncio.wait({changed, lost}, return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                if lost.done():
+                    raise PeerGone("connection lost while waiting")
+        finally:
+            lost.cancel()
+
+    # -- the update path ----------------------------------------------------------------------
+    def _decide(self, decision: Decision) -> None:
+        """Carry out a protocol decision: apply its batches in order, count its drops."""
+        for batch in decision.updates:
+            self._apply_batch(batch)
+        for g in decision.dropped:
+            pending: _Pending = g.payload
+            pending.outcome = "dropped"
+            pending.frame.release()
+            self.learners[g.learner].dropped += 1
+        if decision.updates or decision.dropped:
+            self._notify()
+
+    def _apply_batch(self, batch: list[Gradient]) -> None:
+        store = self.store
+        assert store is not None
+        cfg = self.config
+        clock, c = store.clock, len(batch)
+        sigmas = [clock - g.stamp for g in batch]
+        for s in sigmas:
+            self.lr_policy.observe(s)
+        pendings: list[_Pending] = [g.payload for g in batch]
+        samples = sum(p.samples for p in pendings)
+        epoch = self.samples_seen / cfg.samples_per_epoch if cfg.samples_per_epoch else None
+        base = self.schedule.rate(clock, epoch, samples or None)
+        scales = [self.lr_policy.factor(s) / c for s in sigmas]
+        t0 = time.perf_counter()
+        store.apply([p.grad for p in pendings], scales, base, cfg.momentum, cfg.weight_decay, cfg.nesterov)
+        self.update_seconds += time.perf_counter() - t0
+        self.samples_seen += samples
+        now = time.monotonic()
+        self.first_update_at = self.first_update_at or now
+        self.last_update_at = now
+        for g, p, s in zip(batch, pendings, sigmas):
+            self.staleness.add(s)
+            self.learners[g.learner].applied += 1
+            p.outcome, p.staleness = "applied", s
+            p.frame.release()
 
     # -- connections --------------------------------------------------------------------------
     def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> None:
@@ -159,9 +267,12 @@ class ParameterServer:
         try:
             await session.run()
         finally:
-            if session.learner is not None:
-                session.learner.connected = False
-                log.info("learner %d (%s) left", session.learner.learner_id, session.learner.name)
+            learner = session.learner
+            if learner is not None:
+                learner.connected = False
+                self._decide(self.protocol.leave(learner.learner_id))
+                self._notify()
+                log.info("learner %d (%s) left", learner.learner_id, learner.name)
 
     def _reject(self, code: str) -> None:
         self.rejected[code] = self.rejected.get(code, 0) + 1
@@ -185,16 +296,21 @@ class ParameterServer:
         info = LearnerInfo(self._next_id, str(meta.get("name", "")), peer)
         self._next_id += 1
         self.learners[info.learner_id] = info
+        self._decide(self.protocol.join(info.learner_id))
+        self._notify()
         log.info("learner %d (%s) joined from %s", info.learner_id, info.name, peer)
         return info
 
-    def _apply_push(self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame) -> int:
-        """Validate a push and fold it in (async protocol). Returns its staleness."""
+    def _accept_push(self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame) -> tuple[_Pending, Decision]:
+        """Validate a push and hand it to the protocol. The frame is kept until its update."""
         store = self.store
         assert store is not None
         stamp = _int_field(meta, "timestamp")
+        samples = _int_field(meta, "samples", 0)
         if not 0 <= stamp <= store.clock:
             raise RequestError(f"timestamp {stamp} is outside [0, {store.clock}]", code="bad_timestamp")
+        if samples < 0:
+            raise RequestError(f"samples must be >= 0, got {samples}", code="bad_request")
         if self.stopped:
             raise RequestError(f"the run is over ({self.config.max_updates} updates)", code="stopped")
         specs = frame.specs
@@ -206,17 +322,10 @@ class ParameterServer:
         grad = frame.arrays[0]
         if not np.isfinite(grad).all():
             raise RequestError("gradient contains NaN or infinity", code="bad_gradient")
-        sigma = store.clock - stamp
-        cfg = self.config
-        t0 = time.perf_counter()
-        store.apply([grad], [1.0], cfg.lr, cfg.momentum, cfg.weight_decay, cfg.nesterov)
-        self.update_seconds += time.perf_counter() - t0
-        now = time.monotonic()
-        self.first_update_at = self.first_update_at or now
-        self.last_update_at = now
-        self.staleness.add(sigma)
-        learner.gradients += 1
-        return sigma
+        pending = _Pending(frame, grad, samples)
+        decision = self.protocol.push(Gradient(learner.learner_id, stamp, pending))
+        self._decide(decision)
+        return pending, decision
 
 
 class _Session:
@@ -236,14 +345,16 @@ class _Session:
                 self._log_bad(exc.code, str(exc))
                 await self._send_error(exc.code, str(exc), fatal=True, seq=None)
                 return
+            keep = False
             try:
-                done = await self._dispatch(frame)
+                done, keep = await self._dispatch(frame)
             except RequestError as exc:
                 self._log_bad(exc.code, str(exc))
                 await self._send_error(exc.code, str(exc), fatal=False, seq=frame.meta.get("seq"))
                 done = False
             finally:
-                frame.release()
+                if not keep:
+                    frame.release()
             if done:
                 return
 
@@ -266,8 +377,8 @@ class _Session:
             meta["seq"] = request["seq"]
         await self.conn.send(msg_type, meta, arrays)
 
-    async def _dispatch(self, frame: Frame) -> bool:
-        """Handle one request; True when the connection should end."""
+    async def _dispatch(self, frame: Frame) -> tuple[bool, bool]:
+        """Handle one request. Returns (end the connection, the frame now belongs to the protocol)."""
         if frame.error is not None:
             raise RequestError(str(frame.error), code=frame.error.code)
         meta = frame.meta
@@ -279,45 +390,46 @@ class _Session:
             self.learner = server._register(meta, frame, self.conn.peer)
             store = server.store
             assert store is not None
-            await self._reply(
-                MsgType.WELCOME,
-                {
-                    "learner_id": self.learner.learner_id,
-                    "layout": store.layout.to_wire(),
-                    "protocol": server.config.protocol,
-                    "clock": store.clock,
-                    "server": f"rudra-async {__version__}",
-                    "pid": os.getpid(),
-                },
-                meta,
-            )
-            return False
+            welcome = {
+                "learner_id": self.learner.learner_id,
+                "layout": store.layout.to_wire(),
+                **server.protocol.describe(),
+                "clock": store.clock,
+                "server": f"rudra-async {__version__}",
+                "pid": os.getpid(),
+            }
+            await self._reply(MsgType.WELCOME, welcome, meta)
+            return False, False
         if kind == MsgType.BYE:
             await self._reply(MsgType.BYE, {}, meta)
-            return True
+            return True, False
         if kind not in (MsgType.PUSH, MsgType.PULL):
             raise RequestError(f"unknown message type {kind}", code="unknown_type")
         if self.learner is None:
             raise RequestError("say hello before push or pull", code="not_registered")
+        learner_id = self.learner.learner_id
         if kind == MsgType.PUSH:
-            learner_id = meta.get("learner_id", self.learner.learner_id)
-            if learner_id != self.learner.learner_id:
-                raise RequestError(f"learner id {learner_id!r} is not this connection's", code="bad_request")
-            sigma = server._apply_push(self.learner, meta, frame)
-            frame.release()  # the gradient is folded in; its buffer can take the next frame
+            if meta.get("learner_id", learner_id) != learner_id:
+                raise RequestError(f"learner id {meta.get('learner_id')!r} is not this connection's", code="bad_request")
+            pending, decision = server._accept_push(self.learner, meta, frame)
+            if decision.wait_applied:
+                await server._until(lambda: pending.outcome != "pending", self.conn)
             if not meta.get("pull"):
-                await self._reply(MsgType.ACK, {"timestamp": server.clock, "staleness": sigma, "stop": server.stopped}, meta)
-                return False
+                ack = {"timestamp": server.clock, "status": pending.outcome, "staleness": pending.staleness,
+                       "stop": server.stopped}
+                await self._reply(MsgType.ACK, ack, meta)
+                return False, True
+            floor = -1
         else:
-            newer_than = _int_field(meta, "newer_than", -1)
-            if not server.stopped:
-                assert server.store is not None
-                await server.store.wait_newer(newer_than)
+            floor = _int_field(meta, "newer_than", -1)
+        await server._until(lambda: server.clock > max(floor, server.protocol.pull_floor(learner_id)), self.conn)
         await self._send_weights(meta)
-        return False
+        return False, kind == MsgType.PUSH
 
     async def _send_weights(self, request: dict[str, Any]) -> None:
-        store = self.server.store
-        assert store is not None
+        server = self.server
+        store = server.store
+        assert store is not None and self.learner is not None
         with store.lease() as (clock, weights):
-            await self._reply(MsgType.WEIGHTS, {"timestamp": clock, "stop": self.server.stopped}, request, [weights])
+            await self._reply(MsgType.WEIGHTS, {"timestamp": clock, "stop": server.stopped}, request, [weights])
+        server._decide(server.protocol.pulled(self.learner.learner_id, clock))

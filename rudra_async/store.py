@@ -7,7 +7,6 @@ common path.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Iterator, Sequence
 
@@ -27,7 +26,6 @@ class WeightStore:
         self.momentum = np.zeros(layout.size, np.float32)
         self._leases: dict[int, int] = {}  # id(buffer) -> readers
         self._spares: list[np.ndarray] = []
-        self._advanced = asyncio.Event()
 
     @property
     def weights(self) -> np.ndarray:
@@ -65,14 +63,7 @@ class WeightStore:
         kernels.apply(src, dst, self.momentum, grads, scales, lr, momentum, weight_decay, nesterov)
         self._current = dst
         self.clock += 1
-        self._advanced.set()
-        self._advanced = asyncio.Event()
         return self.clock
 
     def _spare(self) -> np.ndarray:
         return self._spares.pop() if self._spares else np.empty_like(self._current)
-
-    async def wait_newer(self, than: int) -> None:
-        """Return once the clock is greater than ``than``."""
-        while self.clock <= than:
-            await self._advanced.wait()

@@ -19,7 +19,7 @@ from .server import ParameterServer
 class TrainConfig:
     learners: int = 4
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float = 0.03
     momentum: float = 0.9
     weight_decay: float = 0.0
     epochs: float = 30.0

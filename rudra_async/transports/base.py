@@ -48,6 +48,13 @@ class Connection(abc.ABC):
     def is_closed(self) -> bool:
         ...
 
+    @abc.abstractmethod
+    async def wait_lost(self) -> None:
+        """Return once the connection is closed (locally) or lost (peer gone), without reading.
+
+        Lets a server notice a learner's death while it waits on something else.
+        """
+
 
 class Listener(abc.ABC):
     """Accepts connections and hands each to the ``on_connection`` coroutine given to ``listen``."""

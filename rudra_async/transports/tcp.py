@@ -56,10 +56,12 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.reading_paused = False
         self._scratch = bytearray(65536)
         self.on_made: Any = None
+        self.lost_future: asyncio.Future[None] | None = None
 
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.lost_future = asyncio.get_running_loop().create_future()
         transport.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -100,6 +102,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             if not w.done():
                 w.set_result(None)
         self.drain_waiters.clear()
+        if self.lost_future is not None and not self.lost_future.done():
+            self.lost_future.set_result(None)
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -140,6 +144,10 @@ class TcpConnection(Connection):
     @property
     def is_closed(self) -> bool:
         return self._closed or self._proto.lost is not None
+
+    async def wait_lost(self) -> None:
+        assert self._proto.lost_future is not None
+        await asyncio.shield(self._proto.lost_future)
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
@@ -186,6 +194,8 @@ class TcpConnection(Connection):
             else:
                 transport.close()
         self._proto._wake()
+        if self._proto.lost_future is not None and not self._proto.lost_future.done():
+            self._proto.lost_future.set_result(None)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,59 @@
+"""Choosing protocols, LR policies (and transports) by name.
+
+Built-in names come from a table; third parties register entry points in the groups
+``rudra_async.protocols`` and ``rudra_async.lr_policies``; ``module:attr`` loads anything
+else. An unknown name fails with the list of known ones. Whatever a name resolves to must
+be a class (or factory) producing a :class:`~rudra_async.sync.SyncProtocol` or
+:class:`~rudra_async.lr.LRPolicy`; this is checked at load time with an error naming it.
+"""
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+PROTOCOLS = {
+    "async": "rudra_async.sync:Async",
+    "softsync": "rudra_async.sync:Softsync",
+    "hardsync": "rudra_async.sync:Hardsync",
+    "bounded": "rudra_async.sync:Bounded",
+    "backup": "rudra_async.sync:Backup",
+}
+LR_POLICIES = {
+    "constant": "rudra_async.lr:Constant",
+    "staleness": "rudra_async.lr:Staleness",
+    "staleness-plus-one": "rudra_async.lr:StalenessPlusOne",
+    "mean-staleness": "rudra_async.lr:MeanStaleness",
+}
+GROUPS = {"protocol": ("rudra_async.protocols", PROTOCOLS), "lr policy": ("rudra_async.lr_policies", LR_POLICIES)}
+
+
+def _import(path: str, kind: str, name: str) -> Any:
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load {kind} {name!r} from {path!r}: {exc}") from None
+
+
+def known(kind: str) -> list[str]:
+    group, table = GROUPS[kind]
+    return sorted(set(table) | {ep.name for ep in entry_points(group=group)})
+
+
+def resolve(kind: str, name: str) -> Callable[..., Any]:
+    """The class registered as ``name`` for ``kind`` ('protocol' or 'lr policy')."""
+    group, table = GROUPS[kind]
+    if name in table:
+        return _import(table[name], kind, name)
+    for ep in entry_points(group=group, name=name):
+        try:
+            return ep.load()
+        except Exception as exc:
+            dist = ep.dist.name if ep.dist else "?"
+            raise ConfigError(f"{kind} plugin {name!r} from {dist} failed to load: {exc}") from None
+    if ":" in name:
+        return _import(name, kind, name)
+    raise ConfigError(f"unknown {kind} {name!r}; known: {', '.join(known(kind))} (or module:attr)")

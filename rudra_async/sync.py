@@ -1,0 +1,282 @@
+"""Synchronization protocols: I/O-free state machines that decide when gradients make an update.
+
+The server feeds events — a learner joined or left, a learner received weights stamped j
+(it is now computing on them), a gradient arrived — and gets back a :class:`Decision`: the
+batches to apply now, in order (each batch is one update, c = its length), the gradients
+dropped, and for the pushing learner whether its reply must wait for its gradient to be
+applied. :meth:`SyncProtocol.pull_floor` says which clock a learner's next weights must be
+newer than. Nothing here does I/O or reads a clock, so everything is testable by feeding
+events; time-based protocols take an injectable ``now``.
+
+λ is the number of registered learners at the moment; every protocol recomputes c when it
+changes, so a learner leaving (or crashing) never deadlocks a round.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+
+@dataclass(eq=False)
+class Gradient:
+    """A pushed gradient as the protocol sees it; ``payload`` is opaque (the server's buffer)."""
+
+    learner: int
+    stamp: int
+    payload: Any = None
+
+
+@dataclass
+class Decision:
+    updates: list[list[Gradient]] = field(default_factory=list)
+    dropped: list[Gradient] = field(default_factory=list)
+    wait_applied: bool = False  # the pusher's reply waits until its gradient is applied or dropped
+
+
+class SyncProtocol:
+    """Base class: membership bookkeeping and the update clock. Subclasses decide batching.
+
+    Contract for subclasses: ``_on_push`` and ``_on_membership`` return the batches that
+    are ready; the base class advances ``clock`` by one per batch.
+    """
+
+    name = "?"
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self.now = now
+        self.clock = 0
+        self.members: set[int] = set()
+        self.computing: dict[int, int] = {}  # learner -> stamp of the weights it works on
+
+    @property
+    def learners(self) -> int:
+        return len(self.members)
+
+    def describe(self) -> dict[str, Any]:
+        return {"protocol": self.name}
+
+    # -- events ---------------------------------------------------------------------------
+    def join(self, learner: int) -> Decision:
+        self.members.add(learner)
+        return self._ready(self._on_membership())
+
+    def leave(self, learner: int) -> Decision:
+        self.members.discard(learner)
+        self.computing.pop(learner, None)
+        return self._ready(self._on_membership())
+
+    def pulled(self, learner: int, stamp: int) -> Decision:
+        """The learner received weights stamped ``stamp`` and computes on them."""
+        if learner in self.members:
+            self.computing[learner] = stamp
+        return self._ready(self._on_membership())
+
+    def push(self, grad: Gradient) -> Decision:
+        if grad.stamp > self.clock:
+            raise ValueError(f"gradient stamp {grad.stamp} is ahead of the clock {self.clock}")
+        self.computing.pop(grad.learner, None)
+        decision = self._on_push(grad)
+        self._ready(decision.updates, into=decision)
+        return decision
+
+    def pull_floor(self, learner: int) -> int:
+        """A learner's next weights must have a clock greater than this (−1: any)."""
+        return -1
+
+    # -- for subclasses -------------------------------------------------------------------
+    def _on_push(self, grad: Gradient) -> Decision:
+        raise NotImplementedError
+
+    def _on_membership(self) -> list[list[Gradient]]:
+        return []
+
+    def _ready(self, batches: list[list[Gradient]], into: Decision | None = None) -> Decision:
+        decision = into or Decision(updates=batches)
+        self.clock += len(batches)
+        return decision
+
+
+class Softsync(SyncProtocol):
+    """n-softsync: every c = ⌊λ/n⌋ gradients, from any learners, make an update; no barrier."""
+
+    name = "softsync"
+
+    def __init__(self, n: int = 1, now: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(now)
+        if n < 1:
+            raise ConfigError(f"softsync needs n >= 1, got {n}")
+        self.n = n
+        self.pending: list[Gradient] = []
+
+    @property
+    def c(self) -> int:
+        return max(1, self.learners // self.n)
+
+    def describe(self) -> dict[str, Any]:
+        return {"protocol": self.name, "n": self.n}
+
+    def _take_full_batches(self) -> list[list[Gradient]]:
+        batches = []
+        while self.pending and len(self.pending) >= self.c:
+            batches.append(self.pending[: self.c])
+            self.pending = self.pending[self.c :]
+        return batches
+
+    def _on_push(self, grad: Gradient) -> Decision:
+        self.pending.append(grad)
+        return Decision(updates=self._take_full_batches())
+
+    def _on_membership(self) -> list[list[Gradient]]:
+        return self._take_full_batches()
+
+
+class Async(Softsync):
+    """Downpour async SGD: every gradient is an update (c = 1)."""
+
+    name = "async"
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(1, now)
+
+    @property
+    def c(self) -> int:
+        return 1
+
+    def describe(self) -> dict[str, Any]:
+        return {"protocol": self.name}
+
+
+class Hardsync(SyncProtocol):
+    """One gradient from every learner of the round, for the current clock; learners wait.
+
+    A round's participants are the learners registered when it began; a learner joining
+    mid-round waits for that round's weights and is counted from the next update. A late
+    gradient (stamp older than the clock) or a second one in a round is dropped and counted.
+    """
+
+    name = "hardsync"
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(now)
+        self.round: set[int] | None = None  # participants of the round for self.clock
+        self.got: dict[int, Gradient] = {}
+        self.last_stamp: dict[int, int] = {}
+        self.joined_at: dict[int, int] = {}
+
+    def needed(self) -> int:
+        """Gradients that complete the current round."""
+        assert self.round is not None
+        return len(self.round)
+
+    def join(self, learner: int) -> Decision:
+        if self.round is not None or self.clock > 0:
+            self.joined_at[learner] = self.clock  # wait for this round to finish
+        return super().join(learner)
+
+    def pull_floor(self, learner: int) -> int:
+        floors = [self.last_stamp.get(learner, -1), self.joined_at.get(learner, -1)]
+        return max(floors)
+
+    def _start_round(self) -> None:
+        self.round = set(self.members)
+        self.got = {}
+
+    def _on_push(self, grad: Gradient) -> Decision:
+        self.last_stamp[grad.learner] = grad.stamp
+        if self.round is None:
+            self._start_round()
+        assert self.round is not None
+        if grad.stamp < self.clock or grad.learner not in self.round or grad.learner in self.got:
+            return Decision(dropped=[grad])
+        self.got[grad.learner] = grad
+        return Decision(updates=self._complete())
+
+    def _on_membership(self) -> list[list[Gradient]]:
+        if self.round is None:
+            return []
+        self.round &= self.members | set(self.got)  # leavers that already pushed still count
+        return self._complete()
+
+    def _complete(self) -> list[list[Gradient]]:
+        assert self.round is not None
+        if not self.round:  # everyone of the round left without a gradient
+            self.round = None
+            self.joined_at.clear()  # newcomers start the next round at once
+            return []
+        if len(self.got) < self.needed():
+            return []
+        batch = list(self.got.values())
+        self.round = set(self.members)  # the next round: everyone registered now
+        self.got = {}
+        self.joined_at.clear()
+        return [batch]
+
+
+class Backup(Hardsync):
+    """Hardsync with b backup learners: the update happens after λ − b gradients of the
+    round; the b late ones (stamped with an older clock) are dropped and counted."""
+
+    name = "backup"
+
+    def __init__(self, b: int = 1, now: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(now)
+        if b < 0:
+            raise ConfigError(f"backup needs b >= 0, got {b}")
+        self.b = b
+
+    def describe(self) -> dict[str, Any]:
+        return {"protocol": self.name, "backup": self.b}
+
+    def needed(self) -> int:
+        assert self.round is not None
+        return max(1, len(self.round) - self.b)
+
+
+
+class Bounded(SyncProtocol):
+    """Bounded staleness (stale-synchronous): no gradient is applied with σ > s.
+
+    Gradients are applied on arrival (c = 1) unless advancing the clock would leave a
+    learner still computing on weights older than clock + 1 − s; then the gradient is held
+    and **the pusher waits at push** (its reply is deferred until its gradient is applied).
+    Waiting at push, not at pull, is what keeps the bound: it is applying the fast learner's
+    gradient that would make the slow learner's gradient too stale. When several held
+    gradients would cross the bound together they form one update (c > 1), so s = 0
+    degenerates to a barrier instead of a deadlock.
+    """
+
+    name = "bounded"
+
+    def __init__(self, s: int = 4, now: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(now)
+        if s < 0:
+            raise ConfigError(f"the staleness bound must be >= 0, got {s}")
+        self.s = s
+        self.held: list[Gradient] = []
+
+    def describe(self) -> dict[str, Any]:
+        return {"protocol": self.name, "staleness_bound": self.s}
+
+    def _on_push(self, grad: Gradient) -> Decision:
+        self.held.append(grad)
+        return Decision(updates=self._drain(), wait_applied=True)
+
+    def _on_membership(self) -> list[list[Gradient]]:
+        return self._drain()
+
+    def _drain(self) -> list[list[Gradient]]:
+        batches: list[list[Gradient]] = []
+        clock = self.clock
+        while self.held:
+            oldest_computing = min(self.computing.values(), default=None)
+            if oldest_computing is not None and clock + 1 - oldest_computing > self.s:
+                break  # a learner still computing would exceed the bound: wait for it
+            self.held.sort(key=lambda g: g.stamp)
+            batch = [self.held[0]] + [g for g in self.held[1:] if clock + 1 - g.stamp > self.s]
+            self.held = [g for g in self.held if g not in batch]
+            batches.append(batch)
+            clock += 1
+        return batches
