@@ -29,31 +29,79 @@ def main(log_level: str) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def sgd_options(f: Any) -> Any:
-    for opt in reversed([
-        click.option("--protocol", default="async", show_default=True, help="Synchronization protocol."),
-        click.option("--lr", type=float, default=0.03, show_default=True, help="Learning rate α0."),
-        click.option("--momentum", type=float, default=0.9, show_default=True),
-        click.option("--weight-decay", type=float, default=0.0, show_default=True),
-    ]):
+def _parse_option(ctx: Any, param: Any, values: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
+def _parse_milestones(ctx: Any, param: Any, value: str | None) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in value.split(",")) if value else ()
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+
+
+SERVER_FLAGS = [
+    click.option("--protocol", default="async", show_default=True,
+                 help="hardsync | softsync | async | bounded | backup | a plugin's name | module:Class."),
+    click.option("--n", "n", type=int, default=None, help="softsync: c = ⌊λ/n⌋ gradients per update (1 ≤ n ≤ λ)."),
+    click.option("--staleness-bound", type=int, default=None, help="bounded: no gradient applied with σ > this."),
+    click.option("--backup", type=int, default=None, help="backup: update after λ − b gradients, drop the late b."),
+    click.option("--protocol-option", "protocol_options", multiple=True, callback=_parse_option,
+                 help="KEY=VALUE passed to a plugin protocol (repeatable)."),
+    click.option("--lr", type=float, default=0.03, show_default=True, help="Base learning rate α0."),
+    click.option("--momentum", type=float, default=0.9, show_default=True),
+    click.option("--weight-decay", type=float, default=0.0, show_default=True),
+    click.option("--nesterov", is_flag=True),
+    click.option("--lr-policy", default="constant", show_default=True,
+                 help="constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | mean-staleness (α0/⟨σ⟩) | plugin."),
+    click.option("--mean-staleness-window", type=int, default=0, show_default=True,
+                 help="mean-staleness: gradients in the window (0: the whole run)."),
+    click.option("--lr-decay-at", callback=_parse_milestones, default=None, help="Milestones, e.g. 120,130."),
+    click.option("--lr-decay", type=float, default=0.1, show_default=True, help="Factor at each milestone."),
+    click.option("--lr-decay-unit", type=click.Choice(["updates", "epochs"]), default="updates", show_default=True),
+    click.option("--warmup", type=int, default=0, show_default=True, help="Linear warm-up over this many updates."),
+    click.option("--lr-scale-ref-batch", type=int, default=None,
+                 help="Linear scaling rule: α × (samples per update)/this, e.g. μλ/μ_ref for hardsync."),
+]
+
+
+def server_options(f: Any) -> Any:
+    for opt in reversed(SERVER_FLAGS):
         f = opt(f)
     return f
+
+
+SERVER_KEYS = ("protocol", "n", "staleness_bound", "backup", "protocol_options", "lr", "momentum", "weight_decay",
+               "nesterov", "lr_policy", "mean_staleness_window", "lr_decay_at", "lr_decay", "lr_decay_unit", "warmup",
+               "lr_scale_ref_batch")
+
+
+def pop_server_config(kwargs: dict[str, Any]) -> ServerConfig:
+    """Move the server's flags out of a command's keyword arguments into a ServerConfig."""
+    return ServerConfig(**{k: kwargs.pop(k) for k in SERVER_KEYS})
 
 
 @main.command()
 @click.option("--listen", "listen", multiple=True, default=[DEFAULT_LISTEN], show_default=True,
               help="Address to listen on (repeatable).")
-@sgd_options
-@click.option("--nesterov", is_flag=True)
+@server_options
+@click.option("--samples-per-epoch", type=int, default=None, help="Training-set size, for epoch-based LR decay.")
 @click.option("--max-updates", type=int, default=None, help="End the run after this many updates.")
-def server(listen: tuple[str, ...], protocol: str, lr: float, momentum: float, weight_decay: float,
-           nesterov: bool, max_updates: int | None) -> None:
+def server(listen: tuple[str, ...], **kwargs: Any) -> None:
     """Run a parameter server until interrupted. Weights come from the first learner's hello."""
     from .server import ParameterServer
 
     async def serve() -> None:
-        cfg = ServerConfig(listen=list(listen), protocol=protocol, lr=lr, momentum=momentum,
-                           weight_decay=weight_decay, nesterov=nesterov, max_updates=max_updates)
+        cfg = ServerConfig(listen=list(listen), **kwargs)
         async with ParameterServer(cfg) as ps:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -95,7 +143,7 @@ def learner(as_json: bool, **kwargs: Any) -> None:
 @main.command()
 @click.option("--learners", "-l", type=int, default=4, show_default=True, help="Number of learner processes λ.")
 @click.option("--batch-size", "-b", type=int, default=32, show_default=True, help="Mini-batch size μ per learner.")
-@sgd_options
+@server_options
 @click.option("--epochs", type=float, default=30.0, show_default=True, help="Passes over the training set, all learners together.")
 @click.option("--updates", type=int, default=None, help="Stop after this many server updates (overrides --epochs).")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -111,11 +159,12 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     if logging.getLogger().level > logging.DEBUG:  # joins and leaves are noise in a local run
         logging.getLogger("rudra_async.server").setLevel(logging.WARNING)
     try:
-        out = run_loop(run_train(TrainConfig(**kwargs), progress))
+        cfg = TrainConfig(server=pop_server_config(kwargs), **kwargs)
+        out = run_loop(run_train(cfg, progress))
     except RudraError as exc:
         _fail(exc)
     click.echo(
-        f"protocol {out['protocol']}  learners {out['learners']}  batch {out['batch_size']}  updates {out['updates']}\n"
+        f"protocol {out['protocol']} {out['protocol_options'] or ''}  lr policy {out['lr_policy']}  learners {out['learners']}  batch {out['batch_size']}  updates {out['updates']}  dropped {out['dropped']}\n"
         f"test accuracy {out['test_accuracy']:.4f}  wall {out['wall_s']:.1f} s (training {out['train_s']:.1f} s)\n"
         f"staleness mean {out['staleness_mean']:.2f}  max {out['staleness_max']}  histogram {out['staleness_histogram']}"
     )

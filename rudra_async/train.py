@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from .config import ServerConfig
@@ -17,17 +17,17 @@ from .server import ParameterServer
 
 @dataclass
 class TrainConfig:
+    """A local run. ``server`` holds the protocol, optimizer and LR settings; its listen
+    address and update budget are set by the run."""
+
     learners: int = 4
     batch_size: int = 32
-    lr: float = 0.03
-    momentum: float = 0.9
-    weight_decay: float = 0.0
     epochs: float = 30.0
     updates: int | None = None  # overrides epochs: stop the run at this many updates
     seed: int = 0
     model: str = "mlp"
     dataset: str = "digits"
-    protocol: str = "async"
+    server: ServerConfig = field(default_factory=ServerConfig)
     host: str = "127.0.0.1"
     learner_threads: int = 1
     timeout: float = 900.0  # the whole run; learners are killed past it
@@ -35,6 +35,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         if self.learners < 1:
             raise ConfigError(f"need at least one learner, got {self.learners}")
+        self.server.validate().check_learners(self.learners)
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if self.updates is None and not self.epochs > 0:
@@ -65,9 +66,9 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     cfg.validate()
     dataset = datasets.load(cfg.dataset)
     steps = cfg.steps_per_learner(len(dataset.y_train))
-    server_cfg = ServerConfig(
-        listen=[f"tcp://{cfg.host}:0"], protocol=cfg.protocol, lr=cfg.lr, momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay, max_updates=cfg.updates,
+    server_cfg = replace(
+        cfg.server, listen=[f"tcp://{cfg.host}:0"], max_updates=cfg.updates,
+        samples_per_epoch=cfg.server.samples_per_epoch or len(dataset.y_train),
     )
     started = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.learner_threads), "MKL_NUM_THREADS": str(cfg.learner_threads)}
@@ -100,11 +101,15 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         stats = server.stats()
         train_s = (server.last_update_at or started) - (server.first_update_at or started)
     return {
-        "protocol": cfg.protocol,
+        "protocol": cfg.server.protocol,
+        "protocol_options": cfg.server.protocol_kwargs(),
+        "lr_policy": cfg.server.lr_policy,
+        "lr": cfg.server.lr,
         "learners": cfg.learners,
         "batch_size": cfg.batch_size,
         "updates": stats["updates"],
         "gradients": stats["gradients"],
+        "dropped": stats["dropped"],
         "wall_s": wall,
         "train_s": train_s,
         "test_accuracy": accuracy,

@@ -1,0 +1,85 @@
+"""No deadlock: learner processes killed mid-run, learners joining mid-run."""
+import asyncio
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+from rudra_async.client import Client
+from rudra_async.layout import Layout
+
+from helpers import run_server, subprocess_env
+
+PROTOCOLS = [
+    ("async", {}),
+    ("softsync", {"n": 2}),
+    ("hardsync", {}),
+    ("bounded", {"staleness_bound": 2}),
+    ("backup", {"backup": 1}),
+]
+
+
+async def start_learner(url, index, steps):
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rudra_async", "learner", "--connect", url, "--index", str(index),
+        "--steps", str(steps), "--batch-size", "8", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=subprocess_env())
+
+
+@pytest.mark.parametrize("protocol, options", PROTOCOLS, ids=[p for p, _ in PROTOCOLS])
+async def test_sigkill_of_a_learner_mid_run_lets_the_others_finish(protocol, options):
+    async with run_server(protocol=protocol, **options) as ps:
+        url = ps.addresses[0]
+        procs = [await start_learner(url, i, steps=300) for i in range(3)]
+        try:
+            async def until(cond, timeout=60):
+                deadline = asyncio.get_running_loop().time() + timeout
+                while not cond():
+                    assert asyncio.get_running_loop().time() < deadline, "timed out"
+                    await asyncio.sleep(0.01)
+
+            await until(lambda: sum(l.connected for l in ps.learners.values()) == 3 and ps.clock >= 20)
+            victim = procs[0]
+            victim.send_signal(signal.SIGKILL)
+            at_kill = ps.clock
+            await asyncio.wait_for(victim.wait(), 10)
+            results = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs[1:])), 120)
+            for p, (out, err) in zip(procs[1:], results):
+                assert p.returncode == 0, err.decode()[-2000:]
+            assert ps.clock > at_kill + 50  # the run went on without the dead learner
+            assert sum(not l.connected for l in ps.learners.values()) == 3  # all gone, the dead one noticed
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+
+
+async def test_hardsync_newcomer_waits_for_the_round_and_counts_from_the_next():
+    layout = Layout.from_shapes([("w", (4,))])
+    g = np.ones(4, np.float32)
+    async with run_server(protocol="hardsync", lr=0.1, momentum=0.0) as ps:
+        url = ps.addresses[0]
+        a = await Client.connect(url, layout, np.zeros(4, np.float32))
+        b = await Client.connect(url, layout)
+        wa, wb = await a.pull(), await b.pull()
+        a_waiting = asyncio.create_task(a.push_pull(g, wa.timestamp))  # round 0: a pushed, b not yet
+        await asyncio.sleep(0.05)
+        c = await Client.connect(url, layout)
+        c_pull = asyncio.create_task(c.pull())
+        await asyncio.sleep(0.1)
+        assert not c_pull.done() and not a_waiting.done()  # newcomer waits for round 0's weights
+        wb = await b.push_pull(g, wb.timestamp)
+        wa, wc = await a_waiting, await c_pull
+        assert wa.timestamp == wb.timestamp == wc.timestamp == 1  # round 0 did not wait for c
+        # round 1 needs all three
+        t_a = asyncio.create_task(a.push_pull(g, 1))
+        t_b = asyncio.create_task(b.push_pull(g, 1))
+        await asyncio.sleep(0.1)
+        assert ps.clock == 1 and not t_a.done()
+        await c.push_pull(g, 1)
+        assert (await t_a).timestamp == (await t_b).timestamp == 2
+        assert ps.stats()["learners"][str(c.learner_id)]["gradients"] == 1
+        for x in (a, b, c):
+            await x.close()

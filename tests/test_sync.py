@@ -1,0 +1,168 @@
+"""Protocols as pure state machines: feed events, check decisions. No sockets."""
+import pytest
+
+from rudra_async import ConfigError
+from rudra_async.sync import Async, Backup, Bounded, Gradient, Hardsync, Softsync
+
+
+def members(proto, *ids):
+    for i in ids:
+        proto.join(i)
+    return proto
+
+
+def learners_of(batches):
+    return [[g.learner for g in b] for b in batches]
+
+
+def test_async_updates_on_every_gradient():
+    p = members(Async(), 0, 1, 2)
+    for k in range(5):
+        d = p.push(Gradient(k % 3, p.clock))
+        assert learners_of(d.updates) == [[k % 3]]
+    assert p.clock == 5
+
+
+@pytest.mark.parametrize("lam, n, c", [(8, 1, 8), (8, 2, 4), (8, 8, 1), (7, 2, 3), (3, 5, 1)])
+def test_softsync_batches_c_gradients_from_any_learner(lam, n, c):
+    p = members(Softsync(n), *range(lam))
+    assert p.c == c
+    decisions = [p.push(Gradient(0, 0)) for _ in range(c)]  # one learner may fill a batch alone
+    assert [len(d.updates) for d in decisions] == [0] * (c - 1) + [1]
+    assert p.clock == 1
+
+
+def test_softsync_recomputes_c_when_learners_leave():
+    p = members(Softsync(1), 0, 1, 2, 3)  # c = 4
+    p.push(Gradient(0, 0))
+    p.push(Gradient(1, 0))
+    d = p.leave(3)  # c = 3: not yet
+    assert d.updates == []
+    d = p.leave(2)  # c = 2: the two pending gradients are a batch now
+    assert learners_of(d.updates) == [[0, 1]] and p.clock == 1
+
+
+def test_hardsync_one_gradient_per_learner_and_barrier():
+    p = members(Hardsync(), 0, 1, 2)
+    assert p.push(Gradient(0, 0)).updates == []
+    assert p.pull_floor(0) == 0  # learner 0 waits for clock > 0
+    dup = p.push(Gradient(0, 0))
+    assert dup.dropped and not dup.updates  # a second gradient in the round is dropped
+    p.push(Gradient(1, 0))
+    d = p.push(Gradient(2, 0))
+    assert learners_of(d.updates) == [[0, 1, 2]] and p.clock == 1
+    late = p.push(Gradient(1, 0))  # stamped with an old clock
+    assert late.dropped
+
+
+def test_hardsync_leaver_mid_round_does_not_deadlock():
+    p = members(Hardsync(), 0, 1, 2)
+    p.push(Gradient(0, 0))
+    p.push(Gradient(1, 0))
+    d = p.leave(2)  # killed before pushing
+    assert learners_of(d.updates) == [[0, 1]]
+    p.push(Gradient(0, 1))
+    assert learners_of(p.push(Gradient(1, 1)).updates) == [[0, 1]]  # c follows λ = 2
+
+
+def test_hardsync_leaver_that_already_pushed_still_counts():
+    p = members(Hardsync(), 0, 1, 2)
+    p.push(Gradient(0, 0))
+    p.leave(0)
+    p.push(Gradient(1, 0))
+    assert learners_of(p.push(Gradient(2, 0)).updates) == [[0, 1, 2]]
+
+
+def test_hardsync_joiner_is_counted_from_the_next_update():
+    p = members(Hardsync(), 0, 1)
+    p.push(Gradient(0, 0))
+    p.join(2)  # mid-round
+    assert p.pull_floor(2) == 0  # must wait for the round's weights
+    d = p.push(Gradient(1, 0))
+    assert learners_of(d.updates) == [[0, 1]]  # the round did not wait for the newcomer
+    assert p.pull_floor(2) < p.clock
+    p.push(Gradient(0, 1))
+    p.push(Gradient(1, 1))
+    assert p.clock == 1  # the next round needs the newcomer too
+    assert learners_of(p.push(Gradient(2, 1)).updates) == [[0, 1, 2]]
+
+
+def test_hardsync_joiner_waiting_when_the_whole_round_leaves():
+    p = members(Hardsync(), 0)
+    p.push(Gradient(0, 0))  # round 0 = {0}: updates at once
+    p.join(1)
+    assert p.pull_floor(1) == 1
+    p.leave(0)  # round 1's only participant left without a gradient
+    assert p.pull_floor(1) == -1  # the newcomer is not left waiting
+    assert learners_of(p.push(Gradient(1, 1)).updates) == [[1]]
+
+
+def test_backup_updates_after_lambda_minus_b_and_counts_drops():
+    p = members(Backup(1), 0, 1, 2, 3)
+    p.push(Gradient(0, 0))
+    p.push(Gradient(1, 0))
+    d = p.push(Gradient(2, 0))
+    assert learners_of(d.updates) == [[0, 1, 2]]
+    late = p.push(Gradient(3, 0))
+    assert [g.learner for g in late.dropped] == [3]
+    assert p.pull_floor(3) < p.clock  # the late learner gets the new weights at once
+
+
+@pytest.mark.parametrize("s", [0, 1, 3])
+def test_bounded_never_applies_staler_than_s(s):
+    """Four learners at different speeds; every applied gradient has σ ≤ s."""
+    p = members(Bounded(s), 0, 1, 2, 3)
+    speed = {0: 1, 1: 1, 2: 2, 3: 5}  # ticks per gradient
+    stamp = {i: 0 for i in speed}
+    for i in speed:
+        p.pulled(i, 0)
+    due = {i: speed[i] for i in speed}
+    held = set()
+    applied_sigmas = []
+    for tick in range(1, 200):
+        for i in sorted(speed):
+            if i in held or due[i] != tick:
+                continue
+            d = p.push(Gradient(i, stamp[i]))
+            held.add(i)
+            for batch in d.updates:
+                clock = p.clock - len(d.updates) + d.updates.index(batch)
+                applied_sigmas += [clock - g.stamp for g in batch]
+                for g in batch:  # applied: its learner gets the newest weights
+                    held.discard(g.learner)
+            for j in list(speed):
+                if j not in held and due[j] <= tick:
+                    stamp[j] = p.clock
+                    p.pulled(j, p.clock)
+                    due[j] = tick + speed[j]
+    assert applied_sigmas and max(applied_sigmas) <= s
+    assert p.clock > 30  # and it made progress: no deadlock
+
+
+def test_bounded_zero_is_a_barrier_not_a_deadlock():
+    p = members(Bounded(0), 0, 1)
+    p.pulled(0, 0)
+    p.pulled(1, 0)
+    d = p.push(Gradient(0, 0))
+    assert d.updates == [] and d.wait_applied
+    d = p.push(Gradient(1, 0))
+    assert learners_of(d.updates) == [[0, 1]]
+
+
+def test_bounded_leaver_unblocks_the_held():
+    p = members(Bounded(1), 0, 1, 2)
+    for i in range(3):
+        p.pulled(i, 0)
+    assert learners_of(p.push(Gradient(0, 0)).updates) == [[0]]  # clock 1: learner 2 at σ 1
+    p.pulled(0, 1)
+    assert p.push(Gradient(0, 1)).updates == []  # would leave learners 1, 2 at σ 2: held
+    d = p.leave(1)
+    assert d.updates == []  # learner 2 still computing on 0
+    d = p.leave(2)
+    assert learners_of(d.updates) == [[0]]
+
+
+@pytest.mark.parametrize("make", [lambda: Softsync(0), lambda: Bounded(-1), lambda: Backup(-1)])
+def test_invalid_parameters(make):
+    with pytest.raises(ConfigError):
+        make()
