@@ -65,6 +65,8 @@ SERVER_FLAGS = [
                  help="constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | mean-staleness (α0/⟨σ⟩) | plugin."),
     click.option("--mean-staleness-window", type=int, default=0, show_default=True,
                  help="mean-staleness: gradients in the window (0: the whole run)."),
+    click.option("--lr-option", "lr_policy_options", multiple=True, callback=_parse_option,
+                 help="KEY=VALUE passed to a plugin LR policy (repeatable)."),
     click.option("--lr-decay-at", callback=_parse_milestones, default=None, help="Milestones, e.g. 120,130."),
     click.option("--lr-decay", type=float, default=0.1, show_default=True, help="Factor at each milestone."),
     click.option("--lr-decay-unit", type=click.Choice(["updates", "epochs"]), default="updates", show_default=True),
@@ -81,7 +83,7 @@ def server_options(f: Any) -> Any:
 
 
 SERVER_KEYS = ("protocol", "n", "staleness_bound", "backup", "protocol_options", "lr", "momentum", "weight_decay",
-               "nesterov", "lr_policy", "mean_staleness_window", "lr_decay_at", "lr_decay", "lr_decay_unit", "warmup",
+               "nesterov", "lr_policy", "mean_staleness_window", "lr_policy_options", "lr_decay_at", "lr_decay", "lr_decay_unit", "warmup",
                "lr_scale_ref_batch")
 
 

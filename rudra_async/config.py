@@ -36,6 +36,7 @@ class ServerConfig:
     nesterov: bool = False
     lr_policy: str = "constant"
     mean_staleness_window: int = 0
+    lr_policy_options: dict[str, Any] = field(default_factory=dict)
     lr_decay_at: tuple[float, ...] = ()
     lr_decay: float = 0.1
     lr_decay_unit: str = "updates"
@@ -81,6 +82,13 @@ class ServerConfig:
             key, attr = PROTOCOL_OPTIONS[self.protocol]
             if getattr(self, attr) is not None:
                 kwargs[key] = getattr(self, attr)
+        return kwargs
+
+    def lr_policy_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments for the chosen LR policy."""
+        kwargs = dict(self.lr_policy_options)
+        if self.lr_policy == "mean-staleness" and self.mean_staleness_window:
+            kwargs["window"] = self.mean_staleness_window
         return kwargs
 
     def check_learners(self, learners: int) -> None:

@@ -57,3 +57,15 @@ def resolve(kind: str, name: str) -> Callable[..., Any]:
     if ":" in name:
         return _import(name, kind, name)
     raise ConfigError(f"unknown {kind} {name!r}; known: {', '.join(known(kind))} (or module:attr)")
+
+
+def create(kind: str, name: str, options: dict[str, Any], base: type) -> Any:
+    """Instantiate ``name`` with ``options``; check it is a ``base``. Errors name the plugin."""
+    cls = resolve(kind, name)
+    try:
+        obj = cls(**options)
+    except TypeError as exc:
+        raise ConfigError(f"{kind} {name!r} rejected its options {options}: {exc}") from None
+    if not isinstance(obj, base):
+        raise ConfigError(f"{kind} {name!r} is not a {base.__module__}.{base.__qualname__}")
+    return obj

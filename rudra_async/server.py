@@ -22,7 +22,7 @@ import numpy as np
 
 from . import __version__, registry, transports
 from .config import ServerConfig
-from .errors import ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
+from .errors import FrameTooLarge, PeerGone, RequestError, RudraError, WireError
 from .layout import Layout
 from .lr import LRPolicy, Schedule
 from .stats import StalenessHistogram
@@ -64,22 +64,11 @@ def _int_field(meta: dict[str, Any], key: str, default: int | None = None) -> in
 
 
 def make_protocol(cfg: ServerConfig) -> SyncProtocol:
-    cls = registry.resolve("protocol", cfg.protocol)
-    try:
-        proto = cls(**cfg.protocol_kwargs())
-    except TypeError as exc:
-        raise ConfigError(f"protocol {cfg.protocol!r} rejected its options {cfg.protocol_kwargs()}: {exc}") from None
-    if not isinstance(proto, SyncProtocol):
-        raise ConfigError(f"protocol {cfg.protocol!r} is not a rudra_async.sync.SyncProtocol")
-    return proto
+    return registry.create("protocol", cfg.protocol, cfg.protocol_kwargs(), SyncProtocol)
 
 
 def make_lr_policy(cfg: ServerConfig) -> LRPolicy:
-    cls = registry.resolve("lr policy", cfg.lr_policy)
-    policy = cls(window=cfg.mean_staleness_window) if cfg.lr_policy == "mean-staleness" else cls()
-    if not isinstance(policy, LRPolicy):
-        raise ConfigError(f"lr policy {cfg.lr_policy!r} is not a rudra_async.lr.LRPolicy")
-    return policy
+    return registry.create("lr policy", cfg.lr_policy, cfg.lr_policy_kwargs(), LRPolicy)
 
 
 class ParameterServer:
