@@ -22,7 +22,7 @@ import numpy as np
 
 from . import __version__, registry, transports
 from .config import ServerConfig
-from .errors import FrameTooLarge, PeerGone, RequestError, RudraError, WireError
+from .errors import ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
 from .layout import Layout
 from .lr import LRPolicy, Schedule
 from .stats import StalenessHistogram
@@ -151,6 +151,13 @@ class ParameterServer:
     @property
     def closing(self) -> bool:
         return self._closed is not None and self._closed.is_set()
+
+    def stop_at(self, updates: int) -> None:
+        """End the run once the clock reaches ``updates`` (replies then carry ``stop``)."""
+        if updates < 1:
+            raise ConfigError(f"max updates must be >= 1, got {updates}")
+        self.config.max_updates = updates
+        self._notify()
 
     async def wait_initialized(self) -> None:
         assert self._initialized is not None, "start() first"

@@ -20,10 +20,11 @@ PROTOCOLS = [
 ]
 
 
-async def start_learner(url, index, steps):
+async def start_learner(url, index):
+    """A learner process that runs until the server says stop."""
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rudra_async", "learner", "--connect", url, "--index", str(index),
-        "--steps", str(steps), "--batch-size", "8", "--json",
+        "--batch-size", "8", "--json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=subprocess_env())
 
 
@@ -31,23 +32,25 @@ async def start_learner(url, index, steps):
 async def test_sigkill_of_a_learner_mid_run_lets_the_others_finish(protocol, options):
     async with run_server(protocol=protocol, **options) as ps:
         url = ps.addresses[0]
-        procs = [await start_learner(url, i, steps=300) for i in range(3)]
+        procs = [await start_learner(url, i) for i in range(3)]
         try:
             async def until(cond, timeout=60):
                 deadline = asyncio.get_running_loop().time() + timeout
                 while not cond():
-                    assert asyncio.get_running_loop().time() < deadline, "timed out"
+                    state = {k: v for k, v in vars(ps.protocol).items() if k != "now"}
+                    assert asyncio.get_running_loop().time() < deadline, f"timed out at clock {ps.clock}: {state}"
                     await asyncio.sleep(0.01)
 
             await until(lambda: sum(l.connected for l in ps.learners.values()) == 3 and ps.clock >= 20)
             victim = procs[0]
             victim.send_signal(signal.SIGKILL)
             at_kill = ps.clock
+            ps.stop_at(at_kill + 100)  # the run ends 100 updates after the crash
             await asyncio.wait_for(victim.wait(), 10)
             results = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs[1:])), 120)
             for p, (out, err) in zip(procs[1:], results):
                 assert p.returncode == 0, err.decode()[-2000:]
-            assert ps.clock > at_kill + 50  # the run went on without the dead learner
+            assert ps.clock == at_kill + 100  # the run went on without the dead learner
             assert sum(not l.connected for l in ps.learners.values()) == 3  # all gone, the dead one noticed
         finally:
             for p in procs:
