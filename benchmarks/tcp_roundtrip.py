@@ -28,42 +28,43 @@ from rudra_async.server import ParameterServer
 
 
 # -- baseline: raw uvloop echo of N bytes -------------------------------------------------------
-class _Echo(asyncio.BufferedProtocol):
+class _Receiver(asyncio.BufferedProtocol):
+    """Receives messages of exactly ``nbytes`` into one preallocated buffer."""
+
     def __init__(self, nbytes: int) -> None:
         self.buf = bytearray(nbytes)
+        self.pos = 0
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def get_buffer(self, sizehint):
+        return memoryview(self.buf)[self.pos :]
+
+    def buffer_updated(self, n):
+        self.pos += n
+        if self.pos == len(self.buf):
+            self.pos = 0
+            self.on_message()
+
+    def on_message(self) -> None:
+        raise NotImplementedError
+
+
+class _Echo(_Receiver):
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
         self.out = bytearray(nbytes)
-        self.pos = 0
 
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def get_buffer(self, sizehint):
-        return memoryview(self.buf)[self.pos :]
-
-    def buffer_updated(self, n):
-        self.pos += n
-        if self.pos == len(self.buf):
-            self.pos = 0
-            self.transport.write(self.out)
+    def on_message(self) -> None:
+        self.transport.write(self.out)
 
 
-class _Client(asyncio.BufferedProtocol):
-    def __init__(self, nbytes: int) -> None:
-        self.buf = bytearray(nbytes)
-        self.pos = 0
-        self.done: asyncio.Future | None = None
+class _Client(_Receiver):
+    done: asyncio.Future | None = None
 
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def get_buffer(self, sizehint):
-        return memoryview(self.buf)[self.pos :]
-
-    def buffer_updated(self, n):
-        self.pos += n
-        if self.pos == len(self.buf):
-            self.pos = 0
-            self.done.set_result(None)
+    def on_message(self) -> None:
+        self.done.set_result(None)
 
 
 def _serve_raw(nbytes: int, port_q) -> None:
