@@ -71,6 +71,9 @@ SERVER_FLAGS = [
     click.option("--lr-decay", type=float, default=0.1, show_default=True, help="Factor at each milestone."),
     click.option("--lr-decay-unit", type=click.Choice(["updates", "epochs"]), default="updates", show_default=True),
     click.option("--warmup", type=int, default=0, show_default=True, help="Linear warm-up over this many updates."),
+    click.option("--kernel", type=click.Choice(["auto", "numpy", "torch", "cupy"]), default="auto", show_default=True,
+                 help="Update kernel backend; auto: cupy where a GPU is visible, else torch, else numpy."),
+    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
     click.option("--lr-scale-ref-batch", type=int, default=None,
                  help="Linear scaling rule: α × (samples per update)/this, e.g. μλ/μ_ref for hardsync."),
 ]
@@ -84,7 +87,7 @@ def server_options(f: Any) -> Any:
 
 SERVER_KEYS = ("protocol", "n", "staleness_bound", "backup", "protocol_options", "lr", "momentum", "weight_decay",
                "nesterov", "lr_policy", "mean_staleness_window", "lr_policy_options", "lr_decay_at", "lr_decay", "lr_decay_unit", "warmup",
-               "lr_scale_ref_batch")
+               "lr_scale_ref_batch", "kernel", "device")
 
 
 def pop_server_config(kwargs: dict[str, Any]) -> ServerConfig:

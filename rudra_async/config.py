@@ -45,6 +45,8 @@ class ServerConfig:
     samples_per_epoch: int | None = None
     max_updates: int | None = None
     max_frame: int = DEFAULT_MAX_BODY
+    kernel: str = "auto"
+    device: str = "auto"
 
     def validate(self) -> "ServerConfig":
         if not self.listen:

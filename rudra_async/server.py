@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import __version__, registry, transports
+from . import __version__, kernels, registry, transports
 from .config import ServerConfig
 from .errors import ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
 from .layout import Layout
@@ -76,6 +76,7 @@ class ParameterServer:
         self.config = (config or ServerConfig()).validate()
         cfg = self.config
         self.limits = Limits(max_body=cfg.max_frame)
+        self.kernel = kernels.resolve(cfg.kernel, cfg.device)
         self.protocol = make_protocol(cfg)
         self.lr_policy = make_lr_policy(cfg)
         self.schedule = Schedule(cfg.lr, cfg.lr_decay_at, cfg.lr_decay, cfg.lr_decay_unit, cfg.warmup, cfg.lr_scale_ref_batch)
@@ -83,7 +84,7 @@ class ParameterServer:
         if initial is not None:
             layout = Layout.from_shapes((k, np.shape(a)) for k, a in initial.items())
             flat = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in initial.values()])
-            self.store = WeightStore(layout, flat)
+            self.store = WeightStore(layout, flat, self.kernel)
         self.learners: dict[int, LearnerInfo] = {}
         self.staleness = StalenessHistogram()
         self.rejected: dict[str, int] = {}
@@ -175,6 +176,7 @@ class ParameterServer:
         return {
             **self.protocol.describe(),
             "lr_policy": self.config.lr_policy,
+            "kernel": self.kernel,
             "updates": self.clock,
             "gradients": self.staleness.total,
             "dropped": sum(l.dropped for l in self.learners.values()),
@@ -283,7 +285,7 @@ class ParameterServer:
                     f"as one float32 segment of {layout.size} values",
                     code="no_weights",
                 )
-            self.store = WeightStore(layout, arrays[0].reshape(-1))
+            self.store = WeightStore(layout, arrays[0].reshape(-1), self.kernel)
             assert self._initialized is not None
             self._initialized.set()
             log.info("weights initialized by %s: %d parameters in %d tensors", peer, layout.size, len(layout.tensors))
@@ -313,8 +315,8 @@ class ParameterServer:
         if len(specs) != 1 or specs[0].shape != (store.layout.size,):
             shapes = [list(s.shape) for s in specs]
             raise RequestError(f"gradient must be one segment of shape [{store.layout.size}], got {shapes}", code="bad_shape")
-        if specs[0].dtype != np.float32:
-            raise RequestError(f"gradient dtype must be <f4, got {specs[0].dtype.str}", code="bad_dtype")
+        if specs[0].dtype not in (np.float32, np.float16):
+            raise RequestError(f"gradient dtype must be <f4 or <f2, got {specs[0].dtype.str}", code="bad_dtype")
         grad = frame.arrays[0]
         if not np.isfinite(grad).all():
             raise RequestError("gradient contains NaN or infinity", code="bad_gradient")

@@ -12,18 +12,20 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import kernels
+from .kernels import Updater, make_updater
 from .layout import Layout
 
 
 class WeightStore:
-    def __init__(self, layout: Layout, initial: np.ndarray) -> None:
+    """``kernel`` names the update backend (see :func:`rudra_async.kernels.resolve`)."""
+
+    def __init__(self, layout: Layout, initial: np.ndarray, kernel: str = "numpy") -> None:
         if initial.size != layout.size:
             raise ValueError(f"initial weights have {initial.size} values, layout needs {layout.size}")
         self.layout = layout
         self.clock = 0
         self._current = np.array(initial, dtype=np.float32, copy=True).reshape(-1)
-        self.momentum = np.zeros(layout.size, np.float32)
+        self.updater: Updater = make_updater(kernel, layout.size)
         self._leases: dict[int, int] = {}  # id(buffer) -> readers
         self._spares: list[np.ndarray] = []
 
@@ -60,7 +62,7 @@ class WeightStore:
         """Fold the gradients into the weights, advance the clock, return it."""
         src = self._current
         dst = src if id(src) not in self._leases else self._spare()
-        kernels.apply(src, dst, self.momentum, grads, scales, lr, momentum, weight_decay, nesterov)
+        self.updater.apply(src, dst, grads, scales, lr, momentum, weight_decay, nesterov)
         self._current = dst
         self.clock += 1
         return self.clock

@@ -1,31 +1,99 @@
-"""The numpy update kernel equals torch.optim.SGD, in place and out of place."""
+"""Every update backend equals torch.optim.SGD, and the backends agree with each other."""
 import numpy as np
 import pytest
 import torch
 
-from rudra_async import kernels
+from rudra_async import ConfigError
+from rudra_async.kernels import Updater, cupy_device_available, make_updater, resolve
+from rudra_async.kernels.numpy_kernel import BLOCK, apply
+
+gpu = pytest.mark.skipif(not cupy_device_available(), reason="needs CuPy with a CUDA device")
+BACKENDS = ["numpy", "torch", pytest.param("cupy", marks=[pytest.mark.gpu, gpu])]
 
 
-@pytest.mark.parametrize("momentum, weight_decay, nesterov", [(0.0, 0.0, False), (0.9, 1e-3, False), (0.9, 0.01, True)])
-@pytest.mark.parametrize("size", [1, 1000, kernels.BLOCK * 2 + 17])
-def test_numpy_kernel_matches_torch_sgd(momentum, weight_decay, nesterov, size):
-    rng = np.random.default_rng(1)
-    w0 = rng.standard_normal(size).astype(np.float32)
+def sgd_reference(w0, batches, lr, momentum, weight_decay, nesterov):
+    """torch.optim.SGD on the combined gradient Σ s·g of each batch; yields weights after each step."""
     p = torch.nn.Parameter(torch.from_numpy(w0.copy()))
-    opt = torch.optim.SGD([p], lr=0.05, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-    w, v = w0.copy(), np.zeros(size, np.float32)
-    for step in range(20):
-        grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
-        scales = [0.5, 0.25, 0.25]
-        p.grad = torch.from_numpy(sum(s * g for s, g in zip(scales, grads)).astype(np.float32))
+    opt = torch.optim.SGD([p], lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    for grads, scales in batches:
+        p.grad = torch.from_numpy(sum(np.float32(s) * g.astype(np.float32) for s, g in zip(scales, grads)))
         opt.step()
-        out = w if step % 2 else np.empty_like(w)  # alternate in place / out of place
-        kernels.apply(w, out, v, grads, scales, 0.05, momentum, weight_decay, nesterov)
+        yield p.detach().numpy().copy()
+
+
+def random_batches(size, steps, c, dtype=np.float32, seed=1):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        grads = [rng.standard_normal(size).astype(dtype) for _ in range(c)]
+        yield grads, list(rng.uniform(0.1, 1.0, c) / c)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("momentum, weight_decay, nesterov", [(0.0, 0.0, False), (0.9, 1e-3, False), (0.9, 0.01, True)])
+@pytest.mark.parametrize("c", [1, 3])
+def test_backend_matches_torch_sgd(backend, momentum, weight_decay, nesterov, c):
+    size = 2 * BLOCK + 17 if c == 1 else 1000
+    w0 = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    batches = list(random_batches(size, 20, c))
+    up: Updater = make_updater(backend, size)
+    w = w0.copy()
+    for step, (expected, (grads, scales)) in enumerate(zip(sgd_reference(w0, batches, 0.05, momentum, weight_decay,
+                                                                          nesterov), batches)):
+        out = w if step % 2 else np.empty_like(w)  # in place and out of place
+        up.apply(w, out, grads, scales, 0.05, momentum, weight_decay, nesterov)
         w = out
-        np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_rejects_mismatched_scales():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float16_gradients_accumulate_in_float32(backend):
+    size = 4096
+    w0 = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    batches = list(random_batches(size, 10, 2, dtype=np.float16))
+    expected = list(sgd_reference(w0, batches, 0.1, 0.9, 1e-3, False))[-1]
+    up = make_updater(backend, size)
+    w = w0.copy()
+    for grads, scales in batches:
+        up.apply(w, w, grads, scales, 0.1, 0.9, 1e-3)
+    np.testing.assert_allclose(w, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_backends_agree_with_each_other():
+    size = 100_003
+    w0 = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    batches = list(random_batches(size, 15, 8))
+    results = {}
+    for backend in ["numpy", "torch"] + (["cupy"] if cupy_device_available() else []):
+        up, w = make_updater(backend, size), w0.copy()
+        for grads, scales in batches:
+            up.apply(w, w, grads, scales, 0.02, 0.9, 1e-4, True)
+        results[backend] = (w, up.momentum.copy())
+    ref_w, ref_v = results.pop("numpy")
+    for name, (w, v) in results.items():
+        np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(v, ref_v, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_kernel_rejects_bad_batches():
     w = np.zeros(4, np.float32)
     with pytest.raises(ValueError):
-        kernels.apply(w, w, w.copy(), [w], [1.0, 2.0], 0.1)
+        apply(w, w, w.copy(), [w], [1.0, 2.0], 0.1)
+    with pytest.raises(ValueError):
+        make_updater("torch", 4).apply(w, w, [np.zeros(5, np.float32)], [1.0], 0.1)
+    with pytest.raises(ValueError):
+        make_updater("numpy", 4).apply(w, w, [np.zeros(4, np.float64)], [1.0], 0.1)
+
+
+def test_selection():
+    assert resolve("numpy", "cpu") == "numpy"
+    assert resolve("torch", "auto") == "torch"
+    expected_auto = "cupy" if cupy_device_available() else "torch"
+    assert resolve("auto", "auto") == expected_auto
+    assert resolve("auto", "cpu") == "torch"
+    with pytest.raises(ConfigError, match="unknown kernel"):
+        resolve("fortran")
+    with pytest.raises(ConfigError, match="--device cuda needs"):
+        resolve("numpy", "cuda")
+    if not cupy_device_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            resolve("cupy")

@@ -139,3 +139,17 @@ async def test_close_is_idempotent_and_frees_the_port():
     cfg = ServerConfig(listen=[url])
     async with ParameterServer(cfg) as again:  # same port, bound again at once
         assert again.addresses == [url]
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "torch"])
+async def test_float16_gradients_on_the_wire(kernel):
+    layout = small_layout()
+    w0 = initial_weights(layout)
+    g = np.random.default_rng(2).standard_normal(layout.size).astype(np.float16)
+    async with run_server(lr=0.5, momentum=0.0, kernel=kernel) as ps:
+        assert ps.stats()["kernel"] == kernel
+        c = await Client.connect(ps.addresses[0], layout, w0)
+        ack = await c.push(g, 0)
+        assert ack.status == "applied"
+        np.testing.assert_allclose(ps.store.weights, w0 - 0.5 * g.astype(np.float32), rtol=1e-6)
+        await c.close()

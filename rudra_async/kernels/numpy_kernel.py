@@ -1,20 +1,11 @@
-"""Update kernels: fold c scaled gradients, momentum and weight decay into the weights.
-
-``apply`` is the one entry point. It follows ``torch.optim.SGD`` (dampening 0)::
-
-    d = sum_l scales[l] * grads[l] + weight_decay * w
-    v = momentum * v + d                       (v starts at 0, so the first v is d)
-    step = d + momentum * v if nesterov else v
-    w_out = w - lr * step
-
-``w_out`` may be ``w`` itself (in place) or another buffer (used when readers still hold
-``w``). The numpy path works in cache-sized blocks with no full-size temporaries.
-"""
+"""The numpy backend: the reference. In place, cache-sized blocks, no full-size temporaries."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
+
+from . import Updater, check_batch
 
 BLOCK = 1 << 16
 
@@ -30,8 +21,8 @@ def apply(
     weight_decay: float = 0.0,
     nesterov: bool = False,
 ) -> None:
-    if not grads or len(grads) != len(scales):
-        raise ValueError("need one scale per gradient and at least one gradient")
+    """One fused pass (see :mod:`rudra_async.kernels`), block by block."""
+    check_batch(grads, scales, w.size)
     n = w.size
     m = min(BLOCK, n)
     d = np.empty(m, np.float32)
@@ -59,3 +50,18 @@ def apply(
                 step = vb
         np.multiply(step, np.float32(-lr), out=ub)
         np.add(wb, ub, out=w_out[lo:hi])
+
+
+class NumpyUpdater(Updater):
+    name = "numpy"
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self._v = np.zeros(size, np.float32)
+
+    def apply(self, w, w_out, grads, scales, lr, momentum=0.0, weight_decay=0.0, nesterov=False) -> None:
+        apply(w, w_out, self._v, grads, scales, lr, momentum, weight_decay, nesterov)
+
+    @property
+    def momentum(self) -> np.ndarray:
+        return self._v

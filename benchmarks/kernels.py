@@ -1,0 +1,107 @@
+"""Update-kernel throughput on the CPU (and, with --gpu, on a CUDA device).
+
+CPU: parameters/s for 1M and 25M parameters with c = 1 and c = 8 gradients per update, for
+the numpy and torch backends, next to torch.optim.SGD(fused=True) on the same data in the
+same run: one optimizer step for c = 1, c separate steps for c = 8 (what a server without a
+fused multi-gradient kernel would do).
+
+GPU (--gpu): the CuPy kernel's achieved memory bandwidth (bytes it must read and write per
+update / time) as a fraction of the device's copy bandwidth measured in the same run.
+
+    python benchmarks/kernels.py [--reps 7] [--gpu]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from rudra_async.kernels import cupy_device_available, make_updater
+
+
+def median_time(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def cpu(reps: int) -> None:
+    print(f"CPU update kernels (torch threads: {torch.get_num_threads()}), median of {reps}; Gparam/s, ratio vs SGD(fused)")
+    for n in (1_000_000, 25_000_000):
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal(n).astype(np.float32)
+        for c in (1, 8):
+            grads = [rng.standard_normal(n).astype(np.float32) for _ in range(c)]
+            scales = [1.0 / c] * c
+            p = torch.nn.Parameter(torch.from_numpy(w.copy()))
+            opt = torch.optim.SGD([p], lr=1e-4, momentum=0.9, weight_decay=1e-4, fused=True)
+            tgrads = [torch.from_numpy(g) for g in grads]
+
+            def baseline():
+                for g in tgrads:  # c separate optimizer steps
+                    p.grad = g
+                    opt.step()
+
+            base = median_time(baseline, reps)
+            line = f"  n={n:>10,} c={c}:  SGD(fused) x{c} {n / base / 1e9:6.2f}"
+            for backend in ("numpy", "torch"):
+                up, ww = make_updater(backend, n), w.copy()
+                t = median_time(lambda: up.apply(ww, ww, grads, scales, 1e-4, 0.9, 1e-4), reps)
+                line += f"   {backend} {n / t / 1e9:6.2f} ({base / t:4.2f}x)"
+            print(line)
+
+
+def gpu(reps: int) -> None:
+    import cupy as cp
+
+    n = 25_000_000
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    print(f"GPU: {props['name'].decode()}, n = {n:,} float32, median of {reps}")
+    a, b = cp.ones(n * 4, cp.float32), cp.empty(n * 4, cp.float32)
+
+    def copy():
+        b[...] = a
+        cp.cuda.Device().synchronize()
+
+    copy_bw = 2 * a.nbytes / median_time(copy, reps)
+    print(f"  device copy bandwidth: {copy_bw / 1e9:8.1f} GB/s")
+    host_w = np.zeros(n, np.float32)
+    for c in (1, 8):
+        up = make_updater("cupy", n)
+        grads = [np.ones(n, np.float32) for _ in range(c)]
+        up.apply(host_w, host_w, grads, [1.0 / c] * c, 1e-4, 0.9, 1e-4)  # load weights, fill slots
+
+        def fold():
+            up.fold(c, np.float32, [1.0 / c] * c, 1e-4, 0.9, 1e-4, False)
+            cp.cuda.Device().synchronize()
+
+        t = median_time(fold, reps)
+        moved = (c + 4) * 4 * n  # read c gradients, w, v; write w, v
+        print(f"  fused kernel c={c}: {t * 1e3:7.3f} ms  {moved / t / 1e9:8.1f} GB/s  = {moved / t / copy_bw:4.2f}x copy")
+        t_full = median_time(lambda: up.apply(host_w, host_w, grads, [1.0 / c] * c, 1e-4, 0.9, 1e-4), max(3, reps // 2))
+        print(f"  whole update c={c} incl. host<->device copies: {t_full * 1e3:7.1f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--gpu", action="store_true", help="also (or only, with --no-cpu) the CuPy kernel")
+    ap.add_argument("--no-cpu", action="store_true")
+    args = ap.parse_args()
+    if not args.no_cpu:
+        cpu(args.reps)
+    if args.gpu:
+        if not cupy_device_available():
+            raise SystemExit("--gpu: no CUDA device visible to CuPy")
+        gpu(args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Update kernels: fold c scaled gradients, momentum and weight decay into the weights.
+
+Every backend computes, in one pass over flat float32 buffers, what ``torch.optim.SGD``
+(dampening 0) does with the combined gradient::
+
+    d    = Σ_l scales[l] · grads[l] + weight_decay · w
+    v    = momentum · v + d                     (v starts at 0, so the first v is d)
+    step = d + momentum · v  if nesterov else v
+    w'   = w − lr · step
+
+Gradients may be float32 or float16 (accumulated in float32). This package is the only
+place that imports cupy or decides the device; :func:`select` picks a backend.
+"""
+from __future__ import annotations
+
+import abc
+import importlib.util
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+
+KERNELS = ("numpy", "torch", "cupy")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class Updater(abc.ABC):
+    """Owns the momentum buffer (and, on a GPU, the master weights) of one flat parameter vector.
+
+    ``apply`` reads the current weights from ``w`` (host) and writes the new ones into
+    ``w_out`` (host; may be ``w`` itself).
+    """
+
+    name = "?"
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    @abc.abstractmethod
+    def apply(self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float],
+              lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> None:
+        ...
+
+    @property
+    @abc.abstractmethod
+    def momentum(self) -> np.ndarray:
+        """The momentum buffer as a host array (a copy on a GPU)."""
+
+
+def check_batch(grads: Sequence[np.ndarray], scales: Sequence[float], size: int) -> None:
+    if not grads or len(grads) != len(scales):
+        raise ValueError("need one scale per gradient and at least one gradient")
+    for g in grads:
+        if g.size != size or g.dtype not in (np.float32, np.float16):
+            raise ValueError(f"gradients must be float32/float16 of {size} values, got {g.dtype} × {g.size}")
+
+
+def cupy_device_available() -> bool:
+    """True when CuPy is installed *and* sees a CUDA device (never a try-import alone)."""
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    import cupy
+
+    try:
+        return bool(cupy.is_available())
+    except Exception:  # a broken driver install reads as "no device"
+        return False
+
+
+def resolve(kernel: str = "auto", device: str = "auto") -> str:
+    """The backend name for the ``--kernel`` / ``--device`` pair."""
+    if kernel not in ("auto", *KERNELS):
+        raise ConfigError(f"unknown kernel {kernel!r}; known: auto, {', '.join(KERNELS)}")
+    if device not in DEVICES:
+        raise ConfigError(f"unknown device {device!r}; known: {', '.join(DEVICES)}")
+    if kernel == "cupy" or device == "cuda":
+        if kernel not in ("auto", "cupy"):
+            raise ConfigError(f"kernel {kernel!r} runs on the CPU; --device cuda needs --kernel cupy or auto")
+        if not cupy_device_available():
+            raise ConfigError("no CUDA device visible to CuPy (install rudra-async[gpu] on a GPU machine)")
+        return "cupy"
+    if kernel != "auto":
+        if kernel == "torch" and importlib.util.find_spec("torch") is None:
+            raise ConfigError("kernel 'torch' needs PyTorch installed")
+        return kernel
+    if device == "auto" and cupy_device_available():
+        return "cupy"
+    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+
+
+def make_updater(name: str, size: int) -> Updater:
+    """An updater for a parameter vector of ``size`` values with the named backend."""
+    if name == "numpy":
+        from .numpy_kernel import NumpyUpdater
+
+        return NumpyUpdater(size)
+    if name == "torch":
+        from .torch_kernel import TorchUpdater
+
+        return TorchUpdater(size)
+    if name == "cupy":
+        from .cupy_kernel import CupyUpdater
+
+        return CupyUpdater(size)
+    raise ConfigError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
