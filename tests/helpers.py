@@ -5,7 +5,6 @@ import os
 import sys
 
 import numpy as np
-import pytest
 
 from rudra_async.config import ServerConfig
 from rudra_async.layout import Layout

@@ -1,29 +1,15 @@
-"""TCP transport on ``asyncio.BufferedProtocol`` (fast under uvloop).
-
-Incoming bytes go straight into the :class:`~rudra_async.wire.FrameReader`'s buffers (no
-intermediate copy); outgoing frames go out with ``writelines`` over views of the caller's
-arrays. The write-buffer high-water mark is 0, so ``send`` knows exactly when the OS has
-taken every byte and the arrays may change again.
-"""
+"""TCP transport (``tcp://host:port``): frames over a TCP stream, see :mod:`.stream`."""
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
-import socket
-from typing import Any, Sequence
 from urllib.parse import urlsplit
 
-import numpy as np
+from ..errors import ConfigError
+from ..wire import Limits
+from .base import OnConnection
+from .stream import StreamConnection, StreamListener, open_stream, protocol_factory, start_listener
 
-from ..errors import ConfigError, ConnectError, ConnectionClosed, PeerGone, RudraError, WireError
-from ..wire import Frame, FrameReader, Limits, encode_frame
-from .base import Connection, Listener, OnConnection
-
-log = logging.getLogger(__name__)
-
-MAX_QUEUED_FRAMES = 8  # pause reading beyond this many unconsumed frames
-LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
+IN_PROCESS = False
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -43,233 +29,18 @@ def format_url(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-class _FrameProtocol(asyncio.BufferedProtocol):
-    def __init__(self, limits: Limits) -> None:
-        self.reader = FrameReader(limits)
-        self.transport: asyncio.Transport | None = None
-        self.frames: collections.deque[Frame | BaseException] = collections.deque()
-        self.recv_waiter: asyncio.Future[None] | None = None
-        self.drain_waiters: list[asyncio.Future[None]] = []
-        self.writing_paused = False
-        self.lost: BaseException | None = None
-        self.broken = False  # the byte stream can no longer be parsed
-        self.reading_paused = False
-        self._scratch = bytearray(65536)
-        self.on_made: Any = None
-        self.lost_future: asyncio.Future[None] | None = None
-
-    # -- asyncio callbacks ---------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.lost_future = asyncio.get_running_loop().create_future()
-        transport.set_write_buffer_limits(high=0)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.on_made is not None:
-            self.on_made(self)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.broken:
-            return memoryview(self._scratch)
-        return self.reader.get_buffer()
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.broken:
-            return
-        try:
-            frames = self.reader.advance(nbytes)
-        except WireError as exc:
-            self.broken = True  # from now on incoming bytes are read and discarded
-            self._push(exc)
-            return
-        for f in frames:
-            self._push(f)
-        if len(self.frames) >= MAX_QUEUED_FRAMES and self.transport is not None and not self.reading_paused:
-            self.reading_paused = True
-            self.transport.pause_reading()
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.reader.mid_frame and not self.broken:
-            self.lost = PeerGone("connection lost in the middle of a frame")
-        else:
-            self.lost = PeerGone(f"connection closed by peer{': ' + str(exc) if exc else ''}")
-        self._wake()
-        for w in self.drain_waiters:
-            if not w.done():
-                w.set_result(None)
-        self.drain_waiters.clear()
-        if self.lost_future is not None and not self.lost_future.done():
-            self.lost_future.set_result(None)
-
-    def pause_writing(self) -> None:
-        self.writing_paused = True
-
-    def resume_writing(self) -> None:
-        self.writing_paused = False
-        for w in self.drain_waiters:
-            if not w.done():
-                w.set_result(None)
-        self.drain_waiters.clear()
-
-    # -- helpers -------------------------------------------------------------------------
-    def _push(self, item: Frame | BaseException) -> None:
-        self.frames.append(item)
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.recv_waiter is not None and not self.recv_waiter.done():
-            self.recv_waiter.set_result(None)
-
-
-class TcpConnection(Connection):
-    def __init__(self, proto: _FrameProtocol) -> None:
-        self._proto = proto
-        self._closed = False
-        assert proto.transport is not None
-        peer = proto.transport.get_extra_info("peername")
-        self.peer = format_url(peer[0], peer[1]) if peer else "tcp://?"
-
-    @property
-    def allocator(self):  # type: ignore[override]
-        return self._proto.reader.allocate
-
-    @allocator.setter
-    def allocator(self, value) -> None:  # type: ignore[override]
-        self._proto.reader.allocate = value
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed or self._proto.lost is not None
-
-    async def wait_lost(self) -> None:
-        assert self._proto.lost_future is not None
-        await asyncio.shield(self._proto.lost_future)
-
-    async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        self._check_open()
-        transport = self._proto.transport
-        assert transport is not None
-        transport.writelines(encode_frame(msg_type, meta, arrays, self._proto.reader.limits))
-        while transport.get_write_buffer_size() > 0:
-            self._check_open()
-            waiter = asyncio.get_running_loop().create_future()
-            self._proto.drain_waiters.append(waiter)
-            await waiter
-        self._check_open()
-
-    async def recv(self) -> Frame:
-        proto = self._proto
-        while not proto.frames:
-            self._check_open()
-            proto.recv_waiter = asyncio.get_running_loop().create_future()
-            try:
-                await proto.recv_waiter
-            finally:
-                proto.recv_waiter = None
-        item = proto.frames.popleft()
-        if proto.reading_paused and len(proto.frames) < MAX_QUEUED_FRAMES // 2 and proto.transport is not None:
-            proto.reading_paused = False
-            proto.transport.resume_reading()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        transport = self._proto.transport
-        if transport is not None:
-            if self._proto.broken and self._proto.lost is None and transport.can_write_eof():
-                # Closing with unread bytes would reset the connection and destroy the error
-                # reply just sent; half-close instead, discard input, and close a bit later.
-                transport.write_eof()
-                if self._proto.reading_paused:
-                    transport.resume_reading()
-                asyncio.get_running_loop().call_later(LINGER_S, transport.close)
-            else:
-                transport.close()
-        self._proto._wake()
-        if self._proto.lost_future is not None and not self._proto.lost_future.done():
-            self._proto.lost_future.set_result(None)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosed("connection closed locally")
-        if self._proto.lost is not None:
-            raise self._proto.lost
-
-
-async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> TcpConnection:
-    """Connect to a ``tcp://host:port`` URL; fails within ``timeout`` with :class:`ConnectError`."""
+async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> StreamConnection:
+    """Connect to a ``tcp://host:port`` URL; fails within ``timeout`` with ConnectError."""
     host, port = parse_url(url)
     loop = asyncio.get_running_loop()
-    try:
-        _, proto = await asyncio.wait_for(loop.create_connection(lambda: _FrameProtocol(limits), host, port), timeout)
-    except asyncio.TimeoutError:
-        raise ConnectError(f"cannot connect to {url}: no answer within {timeout:g} s") from None
-    except OSError as exc:
-        raise ConnectError(f"cannot connect to {url}: {exc.strerror or exc}") from None
-    return TcpConnection(proto)
+    return await open_stream(loop.create_connection(protocol_factory(limits), host, port), url, timeout)
 
 
-class TcpListener(Listener):
-    def __init__(self, on_connection: OnConnection) -> None:
-        self._on_connection = on_connection
-        self._server: asyncio.AbstractServer | None = None
-        self._conns: set[TcpConnection] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.address = ""
-
-    def _accepted(self, proto: _FrameProtocol) -> None:
-        conn = TcpConnection(proto)
-        self._conns.add(conn)
-        task = asyncio.get_running_loop().create_task(self._run(conn))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, conn: TcpConnection) -> None:
-        try:
-            await self._on_connection(conn)
-        except (RudraError, asyncio.CancelledError):
-            pass
-        except Exception:  # a handler bug must not take the listener down
-            log.exception("connection handler for %s failed", conn.peer)
-        finally:
-            conn.close()
-            self._conns.discard(conn)
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for conn in list(self._conns):
-            conn.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> TcpListener:
+async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> StreamListener:
     """Listen on a ``tcp://host:port`` URL (port 0 picks one). Fails at once if it cannot bind."""
     host, port = parse_url(url)
-    listener = TcpListener(on_connection)
-
-    def factory() -> _FrameProtocol:
-        proto = _FrameProtocol(limits)
-        proto.on_made = listener._accepted
-        return proto
-
-    try:
-        server = await asyncio.get_running_loop().create_server(factory, host, port)
-    except OSError as exc:
-        raise ConnectError(f"cannot listen on {url}: {exc.strerror or exc}") from None
-    listener._server = server
-    sockname = server.sockets[0].getsockname()
+    loop = asyncio.get_running_loop()
+    listener = await start_listener(lambda factory: loop.create_server(factory, host, port), url, on_connection, limits)
+    sockname = listener._server.sockets[0].getsockname()  # type: ignore[union-attr]
     listener.address = format_url(sockname[0], sockname[1])
     return listener
