@@ -154,6 +154,7 @@ def learner(as_json: bool, **kwargs: Any) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--model", default="mlp", show_default=True)
 @click.option("--dataset", default="digits", show_default=True)
+@click.option("--transport", default="tcp", show_default=True, help="tcp, shm (same host), or a plugin's scheme (ucx).")
 @click.option("--results", type=click.Path(dir_okay=False, writable=True), default=None, help="Write results JSON here.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 def train(results: str | None, quiet: bool, **kwargs: Any) -> None:

@@ -28,6 +28,7 @@ class TrainConfig:
     model: str = "mlp"
     dataset: str = "digits"
     server: ServerConfig = field(default_factory=ServerConfig)
+    transport: str = "tcp"  # tcp, shm, or a plugin's scheme (e.g. ucx)
     host: str = "127.0.0.1"
     learner_threads: int = 1
     timeout: float = 900.0  # the whole run; learners are killed past it
@@ -41,6 +42,13 @@ class TrainConfig:
         if self.updates is None and not self.epochs > 0:
             raise ConfigError(f"epochs must be > 0, got {self.epochs}")
         return self
+
+    def listen_url(self) -> str:
+        """Where the run's server listens: a fresh name or port on this machine."""
+        if self.transport == "shm":
+            return "shm://"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.transport}://{host}:0"
 
     def steps_per_learner(self, n_train: int) -> int | None:
         """Epochs count samples over all learners: each does epochs·N/(λμ) steps."""
@@ -67,7 +75,7 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     dataset = datasets.load(cfg.dataset)
     steps = cfg.steps_per_learner(len(dataset.y_train))
     server_cfg = replace(
-        cfg.server, listen=[f"tcp://{cfg.host}:0"], max_updates=cfg.updates,
+        cfg.server, listen=[cfg.listen_url()], max_updates=cfg.updates,
         samples_per_epoch=cfg.server.samples_per_epoch or len(dataset.y_train),
     )
     started = time.monotonic()
@@ -102,6 +110,7 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         train_s = (server.last_update_at or started) - (server.first_update_at or started)
     return {
         "protocol": cfg.server.protocol,
+        "transport": cfg.transport,
         "protocol_options": cfg.server.protocol_kwargs(),
         "lr_policy": cfg.server.lr_policy,
         "lr": cfg.server.lr,

@@ -16,7 +16,11 @@ from ..errors import ConfigError
 from ..wire import Limits
 from .base import Connection, Listener, OnConnection
 
-BUILTIN = {"tcp": "rudra_async.transports.tcp"}
+BUILTIN = {
+    "tcp": "rudra_async.transports.tcp",
+    "memory": "rudra_async.transports.memory",
+    "shm": "rudra_async.transports.shm",
+}
 ENTRY_POINT_GROUP = "rudra_async.transports"
 
 __all__ = ["Connection", "Listener", "connect", "listen", "transport_for", "known_schemes"]
@@ -31,10 +35,14 @@ def transport_for(url: str) -> Any:
     scheme = urlsplit(url).scheme
     if not scheme:
         raise ConfigError(f"address {url!r} has no scheme; expected e.g. tcp://127.0.0.1:7000")
-    if scheme in BUILTIN:
-        return importlib.import_module(BUILTIN[scheme])
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=scheme):
-        return ep.load()
+        try:
+            return ep.load()
+        except Exception as exc:
+            dist = ep.dist.name if ep.dist else "?"
+            raise ConfigError(f"transport plugin {scheme!r} from {dist} failed to load: {exc}") from None
+    if scheme in BUILTIN:  # running from a source tree that was never installed
+        return importlib.import_module(BUILTIN[scheme])
     raise ConfigError(f"no transport for scheme {scheme!r} in {url!r}; known: {', '.join(known_schemes())}")
 
 

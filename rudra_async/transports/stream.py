@@ -38,6 +38,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.reading_paused = False
         self._scratch = bytearray(65536)
         self.on_made: Any = None
+        #: called with each complete frame before it is queued; True means "consumed"
+        self.intercept: Callable[[Frame], bool] | None = None
         self.lost_future: asyncio.Future[None] | None = None
 
     # -- asyncio callbacks ---------------------------------------------------------------
@@ -66,7 +68,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self._push(exc)
             return
         for f in frames:
-            self._push(f)
+            if self.intercept is None or not self.intercept(f):
+                self._push(f)
         if len(self.frames) >= MAX_QUEUED_FRAMES and self.transport is not None and not self.reading_paused:
             self.reading_paused = True
             self.transport.pause_reading()

@@ -1,0 +1,235 @@
+"""A conformance suite any transport can run on itself.
+
+    from rudra_async.testing import check_transport
+    await check_transport("tcp://127.0.0.1:0")        # or your plugin's URL
+
+It listens on the URL, connects to the listener's address, and checks the contract of
+:mod:`rudra_async.transports.base`: small and large frames (over 256 MiB) both ways,
+ordering with many frames in flight, concurrent connections, close semantics, reconnects,
+and — for transports that cross processes — that a peer killed in the middle of a frame
+gives an error, never a hang or a partial frame. Raises AssertionError on a violation;
+returns the names of the checks that ran.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from . import transports
+from .errors import ConnectionClosed, PeerGone, RudraError
+from .transports.base import Connection
+from .wire import Limits, MsgType
+
+MiB = 1 << 20
+CHECKS: list[Callable[["_Suite"], Awaitable[None]]] = []
+
+
+def _check(fn: Callable[["_Suite"], Awaitable[None]]) -> Callable[["_Suite"], Awaitable[None]]:
+    CHECKS.append(fn)
+    return fn
+
+
+def _payload(nbytes: int, seed: int) -> np.ndarray:
+    a = np.empty(nbytes, np.uint8)
+    a[:] = seed % 251
+    if nbytes:
+        a[:: max(1, nbytes // 64)] = np.arange(len(a[:: max(1, nbytes // 64)])) % 256
+    return a
+
+
+class _Suite:
+    def __init__(self, url: str, limits: Limits, large: tuple[int, ...], timeout: float) -> None:
+        self.url, self.limits, self.large, self.timeout = url, limits, large, timeout
+        self.address = ""
+        self.victim_outcome: asyncio.Future[BaseException | None] | None = None
+        self.server_saw_close: asyncio.Future[type] | None = None
+
+    async def echo(self, conn: Connection) -> None:
+        """Server side: send every frame back; obey a few commands carried in the metadata."""
+        while True:
+            try:
+                frame = await conn.recv()
+            except (PeerGone, ConnectionClosed) as exc:
+                if self.server_saw_close is not None and not self.server_saw_close.done():
+                    self.server_saw_close.set_result(type(exc))
+                return
+            cmd = frame.meta.get("cmd")
+            if cmd == "victim":
+                await self._watch_victim(conn)
+                return
+            if cmd == "close":
+                conn.close()
+                return
+            meta = {k: v for k, v in frame.meta.items() if k != "seg"}
+            await conn.send(frame.msg_type, meta, frame.arrays)
+            frame.release()
+
+    async def _watch_victim(self, conn: Connection) -> None:
+        assert self.victim_outcome is not None
+        try:
+            frame = await conn.recv()
+            outcome: BaseException | None = None if frame is None else AssertionError(
+                f"a frame arrived from a peer killed mid-frame ({frame.body.nbytes} body bytes)")
+        except RudraError as exc:
+            outcome = exc
+        if not self.victim_outcome.done():
+            self.victim_outcome.set_result(outcome)
+
+    async def connect(self) -> Connection:
+        return await transports.connect(self.address, limits=self.limits, timeout=self.timeout)
+
+    async def round_trip(self, conn: Connection, arrays: list[np.ndarray], **meta: Any) -> None:
+        await conn.send(MsgType.PUSH, meta, arrays)
+        frame = await asyncio.wait_for(conn.recv(), self.timeout)
+        assert frame.msg_type == MsgType.PUSH, frame.msg_type
+        assert {k: v for k, v in frame.meta.items() if k != "seg"} == meta, frame.meta
+        got = frame.arrays
+        assert len(got) == len(arrays)
+        for a, b in zip(arrays, got):
+            assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), "payload corrupted"
+        frame.release()
+
+
+@_check
+async def small_frames(s: _Suite) -> None:
+    conn = await s.connect()
+    cases = [[], [np.zeros(0, np.float32)], [np.arange(7, dtype=np.int64)],
+             [np.ones((3, 4), np.float16), np.arange(5, dtype=np.uint8), np.zeros((0, 2), np.float64)]]
+    for i, arrays in enumerate(cases):
+        await s.round_trip(conn, arrays, i=i, text="é", nested={"a": [1, 2.5, None]})
+    conn.close()
+
+
+@_check
+async def large_frames(s: _Suite) -> None:
+    conn = await s.connect()
+    for size in s.large:
+        await s.round_trip(conn, [_payload(size, size // MiB).view(np.float32) if size % 4 == 0 else _payload(size, 1)],
+                           size=size)
+    conn.close()
+
+
+@_check
+async def ordering_with_many_in_flight(s: _Suite) -> None:
+    conn = await s.connect()
+    n = 200
+    for i in range(n):
+        await conn.send(MsgType.PULL, {"i": i}, [np.full(i % 5, i, np.int32)])
+    for i in range(n):
+        frame = await asyncio.wait_for(conn.recv(), s.timeout)
+        assert frame.meta["i"] == i, f"frame {frame.meta['i']} arrived in place of {i}"
+        assert np.all(frame.arrays[0] == i)
+        frame.release()
+    conn.close()
+
+
+@_check
+async def concurrent_connections(s: _Suite) -> None:
+    async def pusher(k: int) -> None:
+        conn = await s.connect()
+        for step in range(20):
+            await s.round_trip(conn, [_payload(4096 + 97 * k, k * 31 + step)], k=k, step=step)
+        conn.close()
+
+    await asyncio.gather(*(pusher(k) for k in range(8)))
+
+
+@_check
+async def close_semantics(s: _Suite) -> None:
+    conn = await s.connect()
+    await s.round_trip(conn, [np.ones(3, np.float32)])
+    s.server_saw_close = asyncio.get_running_loop().create_future()
+    conn.close()
+    conn.close()  # twice is harmless
+    assert conn.is_closed
+    await asyncio.wait_for(conn.wait_lost(), s.timeout)
+    for op in (conn.recv(), conn.send(MsgType.PULL, {})):
+        try:
+            await op
+        except ConnectionClosed:
+            pass
+        else:
+            raise AssertionError("using a locally closed connection must raise ConnectionClosed")
+    seen = await asyncio.wait_for(s.server_saw_close, s.timeout)
+    assert seen is PeerGone, f"the server side saw {seen.__name__} when the client closed, not PeerGone"
+    # the other way round: the server closes, the client sees PeerGone
+    conn = await s.connect()
+    await conn.send(MsgType.BYE, {"cmd": "close"})
+    try:
+        await asyncio.wait_for(conn.recv(), s.timeout)
+    except PeerGone:
+        pass
+    else:
+        raise AssertionError("recv after the peer closed must raise PeerGone")
+    await asyncio.wait_for(conn.wait_lost(), s.timeout)
+    conn.close()
+
+
+@_check
+async def reconnect(s: _Suite) -> None:
+    for attempt in range(3):
+        conn = await s.connect()
+        await s.round_trip(conn, [np.full(10, attempt, np.int16)], attempt=attempt)
+        conn.close()
+
+
+_VICTIM = textwrap.dedent("""
+    import asyncio, sys, numpy as np
+    from rudra_async import transports
+    from rudra_async.wire import MsgType
+    async def main():
+        conn = await transports.connect(sys.argv[1])
+        await conn.send(MsgType.HELLO, {"cmd": "victim"})
+        big = np.ones(int(sys.argv[2]), np.uint8)
+        print("sending", flush=True)
+        while True:
+            await conn.send(MsgType.PUSH, {}, [big])
+    asyncio.run(main())
+""")
+
+
+@_check
+async def peer_killed_mid_frame(s: _Suite) -> None:
+    if getattr(transports.transport_for(s.url), "IN_PROCESS", False):
+        return  # no second process can share an in-process transport
+    s.victim_outcome = asyncio.get_running_loop().create_future()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _VICTIM, s.address, str(512 * MiB), stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        await asyncio.wait_for(proc.stdout.readline(), s.timeout)
+        await asyncio.sleep(0.05)  # now inside the 512 MiB frame
+        proc.send_signal(signal.SIGKILL)
+        outcome = await asyncio.wait_for(s.victim_outcome, s.timeout)  # an error, not a hang
+        assert isinstance(outcome, PeerGone), f"expected PeerGone, got {outcome!r}"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.communicate()  # reap it and close its pipe
+
+
+async def check_transport(url: str, *, limits: Limits = Limits(), large: tuple[int, ...] = (MiB, 64 * MiB, 257 * MiB),
+                          timeout: float = 60.0, only: tuple[str, ...] = ()) -> list[str]:
+    """Run every contract check (or those named in ``only``) against the transport of ``url``."""
+    suite = _Suite(url, limits, large, timeout)
+    listener = await transports.listen(url, suite.echo, limits=limits)
+    suite.address = listener.address
+    ran = []
+    try:
+        for check in CHECKS:
+            if only and check.__name__ not in only:
+                continue
+            await asyncio.wait_for(check(suite), timeout * 3)
+            ran.append(check.__name__)
+    finally:
+        await listener.close()
+    return ran

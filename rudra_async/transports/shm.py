@@ -1,0 +1,272 @@
+"""Shared-memory transport (``shm://NAME``) for learners on the server's host.
+
+Small frames and all notifications travel over a Unix socket (abstract namespace, so no
+socket file is left behind). A frame whose body is larger than ``INLINE`` bytes is written
+by the sender into one of *its* shared-memory segments — allocated once and reused — and
+only a reference (segment name, length, segment list) crosses the socket. The receiver
+maps the segment once and reads the body in place: ``Frame.body`` is a view of shared
+memory, so a gradient is never copied on the server side. When the receiver releases the
+frame, a RELEASE notice returns the segment to the sender; a sender with ``MAX_SEGMENTS``
+bodies outstanding waits (back-pressure). A segment is never written while the receiver
+may read it, so no reader ever sees a half-written body.
+
+Cleanup: every segment is owned (created and unlinked) by its sender; the receiver's
+attach is unregistered from its resource tracker. If the owner is killed, Python's
+resource tracker process unlinks its segments; if the peer is killed, the owner unlinks
+them when the connection closes. Nothing is left in /dev/shm either way.
+"""
+from __future__ import annotations
+
+import _posixshmem
+import asyncio
+import itertools
+import os
+import secrets
+import socket
+import mmap
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from ..errors import ConfigError, ConnectionClosed, MalformedFrame, PeerGone
+from ..wire import Frame, Limits, parse_segments, spec_of
+from .base import Connection, Listener, OnConnection
+from .stream import StreamConnection, StreamListener, open_stream, protocol_factory, start_listener
+
+IN_PROCESS = False
+INLINE = 16 * 1024  # bodies up to this size go through the socket
+MAX_SEGMENTS = 4  # bodies one side may have outstanding before send waits
+RELEASE = 250  # internal message type: "I am done with your segment"
+_REF = "~shm"  # metadata key of a body reference
+_counter = itertools.count()
+
+
+def _socket_path(name: str) -> str:
+    return "\0rudra-async/" + name
+
+
+def _name(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme != "shm":
+        raise ConfigError(f"not a shm:// address: {url!r}")
+    name = (parts.netloc + parts.path).strip("/")
+    if len(name) > 80 or any(c in name for c in "\0/"):
+        raise ConfigError(f"bad shm name {name!r}: at most 80 characters, no '/'")
+    return name
+
+
+class _Segment:
+    def __init__(self, size: int) -> None:
+        self.shm = SharedMemory(create=True, size=size)
+        self.size = size
+        self.busy = False
+        self.array = np.ndarray((size,), np.uint8, buffer=self.shm.buf)
+
+    def destroy(self) -> None:
+        self.array = None  # type: ignore[assignment]
+        try:
+            self.shm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class _Attached:
+    """The peer's segment, mapped by name. Unlike ``SharedMemory(name=...)`` on Python < 3.13
+    this does not register with the resource tracker: cleaning up is the owner's job."""
+
+    def __init__(self, name: str) -> None:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a frame still holds a view; the mapping goes when it does
+
+
+class ShmConnection(Connection):
+    def __init__(self, ctl: StreamConnection, limits: Limits, peer: str) -> None:
+        self.ctl = ctl
+        self.limits = limits
+        self.peer = peer
+        self._out: dict[str, _Segment] = {}
+        self._in: dict[str, _Attached] = {}
+        self._freed = asyncio.Event()
+        ctl._proto.intercept = self._intercept
+
+    # -- control ---------------------------------------------------------------------------
+    def _intercept(self, frame: Frame) -> bool:
+        if frame.msg_type != RELEASE:
+            return False
+        seg = self._out.get(str(frame.meta.get("name")))
+        if seg is not None:
+            seg.busy = False
+            self._freed.set()
+        return True
+
+    @property
+    def allocator(self):  # type: ignore[override]
+        return self.ctl.allocator
+
+    @allocator.setter
+    def allocator(self, value) -> None:  # type: ignore[override]
+        self.ctl.allocator = value  # applies to inline bodies; shared bodies are read in place
+
+    @property
+    def is_closed(self) -> bool:
+        return self.ctl.is_closed
+
+    async def wait_lost(self) -> None:
+        await self.ctl.wait_lost()
+
+    # -- sending ---------------------------------------------------------------------------
+    async def _segment_for(self, nbytes: int) -> _Segment:
+        while True:
+            free = [s for s in self._out.values() if not s.busy and s.size >= nbytes]
+            if free:
+                return min(free, key=lambda s: s.size)
+            busy = sum(s.busy for s in self._out.values())
+            if busy < MAX_SEGMENTS:
+                for name in [n for n, s in self._out.items() if not s.busy]:  # too small: replace
+                    self._out.pop(name).destroy()
+                seg = _Segment(max(nbytes, 1 << 20))
+                self._out[seg.shm.name] = seg
+                return seg
+            self._freed.clear()
+            lost = asyncio.ensure_future(self.ctl.wait_lost())
+            freed = asyncio.ensure_future(self._freed.wait())
+            await asyncio.wait({lost, freed}, return_when=asyncio.FIRST_COMPLETED)
+            lost.cancel()
+            freed.cancel()
+            self._check_open()
+
+    def _check_open(self) -> None:
+        self.ctl._check_open()
+
+    async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
+        body = sum(a.nbytes for a in arrays)
+        if body <= INLINE:
+            await self.ctl.send(msg_type, meta, arrays)
+            return
+        self._check_open()
+        if body > self.limits.max_body:
+            raise MalformedFrame(f"body of {body} bytes exceeds the limit of {self.limits.max_body}")
+        specs = [spec_of(a).to_wire() for a in arrays]  # validates dtypes before any copy
+        seg = await self._segment_for(body)
+        seg.busy = True
+        offset = 0
+        for a in arrays:
+            if a.nbytes:
+                seg.array[offset : offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                offset += a.nbytes
+        await self.ctl.send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs]})
+
+    # -- receiving -------------------------------------------------------------------------
+    async def recv(self) -> Frame:
+        frame = await self.ctl.recv()
+        ref = frame.meta.get(_REF)
+        if ref is None:
+            return frame
+        meta = {k: v for k, v in frame.meta.items() if k != _REF}
+        try:
+            name, nbytes, specs = ref
+            if not (isinstance(name, str) and isinstance(nbytes, int) and 0 < nbytes <= self.limits.max_body):
+                raise MalformedFrame(f"bad shared-memory reference {ref!r}")
+            meta["seg"] = specs
+            parsed = parse_segments(meta, nbytes)
+            shm = self._in.get(name)
+            if shm is None:
+                shm = self._in[name] = _Attached(name)
+            if shm.size < nbytes:
+                raise MalformedFrame(f"segment {name} is smaller than the {nbytes} bytes referenced")
+        except (MalformedFrame, ValueError, TypeError, FileNotFoundError) as exc:
+            err = exc if isinstance(exc, MalformedFrame) else MalformedFrame(f"bad shared-memory reference: {exc}")
+            err.fatal = False
+            return Frame(frame.msg_type, meta, memoryview(b""), [], err)
+        return Frame(frame.msg_type, meta, shm.buf[:nbytes], parsed, None, lambda: self._release(name))
+
+    def _release(self, name: str) -> None:
+        if not self.ctl.is_closed:
+            transport = self.ctl._proto.transport
+            from ..wire import encode_frame
+
+            transport.writelines(encode_frame(RELEASE, {"name": name}))
+
+    def close(self) -> None:
+        self.ctl.close()
+        for seg in self._out.values():
+            seg.destroy()
+        self._out.clear()
+        for shm in self._in.values():
+            shm.close()
+        self._in.clear()
+
+
+class ShmListener(Listener):
+    def __init__(self, inner: StreamListener, name: str) -> None:
+        self.inner = inner
+        self.address = f"shm://{name}"
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> ShmListener:
+    """Listen on ``shm://NAME`` (``shm://`` picks a fresh name). Same host only."""
+    name = _name(url) or f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+
+    async def wrap(ctl: Connection) -> None:
+        assert isinstance(ctl, StreamConnection)
+        conn = ShmConnection(ctl, limits, f"shm://{name}#peer")
+        try:
+            await on_connection(conn)
+        finally:
+            conn.close()
+
+    loop = asyncio.get_running_loop()
+
+    def serve(factory):
+        # bind the socket ourselves: libuv cannot name an abstract-namespace address
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(_socket_path(name))
+        except OSError:
+            sock.close()
+            raise
+        return loop.create_unix_server(factory, sock=sock)
+
+    inner = await start_listener(serve, url, wrap, limits)
+    return ShmListener(inner, name)
+
+
+async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> ShmConnection:
+    name = _name(url)
+    if not name:
+        raise ConfigError(f"{url!r} names no server; expected shm://NAME")
+    loop = asyncio.get_running_loop()
+
+    async def open_socket():
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, _socket_path(name))
+        except OSError:
+            sock.close()
+            raise
+        return await loop.create_unix_connection(protocol_factory(limits), sock=sock)
+
+    ctl = await open_stream(open_socket(), url, timeout)
+    return ShmConnection(ctl, limits, url)

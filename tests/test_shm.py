@@ -1,0 +1,148 @@
+"""The shared-memory transport: bodies read in place, segments reused, nothing left in /dev/shm."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from rudra_async import transports
+from rudra_async.client import Client
+from rudra_async.layout import Layout
+from rudra_async.transports import shm
+from rudra_async.wire import MsgType
+
+from helpers import run_server, subprocess_env
+
+CLI = [sys.executable, "-m", "rudra_async"]
+
+
+def shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+async def test_large_bodies_are_read_in_place_and_segments_reused():
+    got = asyncio.Queue()
+
+    async def keep(conn):
+        while True:
+            try:
+                await got.put(await conn.recv())
+            except Exception:
+                return
+
+    listener = await transports.listen("shm://", keep)
+    conn = await transports.connect(listener.address)
+    grad = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+    for step in range(5):
+        grad[0] = step
+        await conn.send(MsgType.PUSH, {"step": step}, [grad])
+        frame = await asyncio.wait_for(got.get(), 10)
+        assert frame.meta["step"] == step and frame.arrays[0][0] == step
+        assert isinstance(frame.body.obj, __import__("mmap").mmap)  # a view of shared memory, not a copy
+        frame.release()
+        await asyncio.sleep(0.01)  # let the RELEASE notice arrive
+    assert len(conn._out) == 1  # one segment, allocated once and reused
+    small = np.ones(16, np.float32)
+    await conn.send(MsgType.PUSH, {}, [small])
+    assert (await got.get()).body.obj is not None  # small bodies go inline
+    conn.close()
+    await listener.close()
+
+
+async def test_held_bodies_make_the_sender_use_another_segment_then_wait():
+    frames = []
+    arrived = asyncio.Event()
+
+    async def hold(conn):
+        while True:
+            try:
+                frames.append(await conn.recv())
+                arrived.set()
+            except Exception:
+                return
+
+    listener = await transports.listen("shm://", hold)
+    conn = await transports.connect(listener.address)
+    big = np.ones(1 << 18, np.float32)
+    for i in range(shm.MAX_SEGMENTS):
+        big[:] = i
+        await conn.send(MsgType.PUSH, {"i": i}, [big])
+    await asyncio.sleep(0.05)
+    assert [f.arrays[0][0] for f in frames] == list(range(shm.MAX_SEGMENTS))  # none overwritten
+    blocked = asyncio.create_task(conn.send(MsgType.PUSH, {"i": 99}, [big]))
+    await asyncio.sleep(0.1)
+    assert not blocked.done()  # back-pressure: every segment is held by the receiver
+    frames[0].release()
+    await asyncio.wait_for(blocked, 5)
+    conn.close()
+    await listener.close()
+
+
+def wait_until(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_no_segment_survives_a_crash_of_either_side(tmp_path):
+    before = shm_files()
+    name = f"crash-{os.getpid()}"
+    env = subprocess_env()
+    log = open(tmp_path / "log.txt", "w")
+    server = subprocess.Popen([*CLI, "server", "--listen", f"shm://{name}"], stderr=log, env=env)
+    learners = []
+    try:
+        time.sleep(1.5)
+        learners = [subprocess.Popen([*CLI, "learner", "--connect", f"shm://{name}", "--index", str(i)],
+                                     stdout=log, stderr=log, env=env) for i in range(2)]
+        wait_until(lambda: len(shm_files() - before) >= 3)  # segments of both learners and the server
+        learners[0].send_signal(signal.SIGKILL)  # a learner dies: its segments go too
+        learners[0].wait()
+        time.sleep(0.5)
+        server.send_signal(signal.SIGKILL)  # then the server dies mid-run
+        server.wait()
+        learners[1].wait(timeout=30)  # the other learner notices and stops
+        wait_until(lambda: not (shm_files() - before))
+    finally:
+        for p in [server, *learners]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        log.close()
+    assert not (shm_files() - before)
+
+
+def test_train_over_shm_reaches_tcp_accuracy(tmp_path):
+    before = shm_files()
+    results = {}
+    for transport in ("tcp", "shm"):
+        out = tmp_path / f"{transport}.json"
+        proc = subprocess.run([*CLI, "train", "-q", "--transport", transport, "--results", str(out)],
+                              capture_output=True, text=True, timeout=300, env=subprocess_env())
+        assert proc.returncode == 0, proc.stderr
+        results[transport] = json.loads(out.read_text())
+    assert results["shm"]["transport"] == "shm"
+    assert results["shm"]["test_accuracy"] >= 0.93
+    assert abs(results["shm"]["test_accuracy"] - results["tcp"]["test_accuracy"]) < 0.04
+    assert not (shm_files() - before)  # a normal run leaves nothing behind
+
+
+async def test_server_listens_on_tcp_and_shm_at_once():
+    layout = Layout.from_shapes([("w", (10_000,))])
+    async with run_server(listen=["tcp://127.0.0.1:0", "shm://"]) as ps:
+        tcp_url, shm_url = ps.addresses
+        assert tcp_url.startswith("tcp://") and shm_url.startswith("shm://")
+        a = await Client.connect(tcp_url, layout, np.zeros(10_000, np.float32))
+        b = await Client.connect(shm_url, layout)
+        g = np.ones(10_000, np.float32)
+        await a.push(g, 0)
+        w = await b.push_pull(g, 1)
+        assert w.timestamp == 2
+        np.testing.assert_array_equal(w.array, ps.store.weights)
+        for c in (a, b):
+            await c.close()
