@@ -3,7 +3,7 @@ import pytest
 
 from rudra_async.testing import CHECKS, check_transport
 
-TRANSPORTS = ["tcp://127.0.0.1:0", "tcp://[::1]:0", "memory://", "shm://"]
+TRANSPORTS = ["tcp://127.0.0.1:0", "tcp://[::1]:0", "memory://", "shm://", "ucx://127.0.0.1:0"]
 
 
 @pytest.mark.parametrize("url", TRANSPORTS)

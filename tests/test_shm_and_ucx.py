@@ -117,18 +117,19 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
     assert not (shm_files() - before)
 
 
-def test_train_over_shm_reaches_tcp_accuracy(tmp_path):
+def test_train_over_shm_and_ucx_reaches_tcp_accuracy(tmp_path):
     before = shm_files()
     results = {}
-    for transport in ("tcp", "shm"):
+    for transport in ("tcp", "shm", "ucx"):
         out = tmp_path / f"{transport}.json"
         proc = subprocess.run([*CLI, "train", "-q", "--transport", transport, "--results", str(out)],
                               capture_output=True, text=True, timeout=300, env=subprocess_env())
         assert proc.returncode == 0, proc.stderr
         results[transport] = json.loads(out.read_text())
-    assert results["shm"]["transport"] == "shm"
-    assert results["shm"]["test_accuracy"] >= 0.93
-    assert abs(results["shm"]["test_accuracy"] - results["tcp"]["test_accuracy"]) < 0.04
+    for transport in ("shm", "ucx"):
+        assert results[transport]["transport"] == transport
+        assert results[transport]["test_accuracy"] >= 0.93
+        assert abs(results[transport]["test_accuracy"] - results["tcp"]["test_accuracy"]) < 0.04
     assert not (shm_files() - before)  # a normal run leaves nothing behind
 
 
