@@ -84,7 +84,7 @@ class ParameterServer:
         if initial is not None:
             layout = Layout.from_shapes((k, np.shape(a)) for k, a in initial.items())
             flat = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in initial.values()])
-            self.store = WeightStore(layout, flat, self.kernel)
+            self.store = WeightStore(layout, flat, self.kernel, *self._shared_memory())
         self.learners: dict[int, LearnerInfo] = {}
         self.staleness = StalenessHistogram()
         self.rejected: dict[str, int] = {}
@@ -128,6 +128,8 @@ class ParameterServer:
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
+        if self.store is not None:
+            self.store.close()
 
     async def __aenter__(self) -> "ParameterServer":
         await self.start()
@@ -272,6 +274,14 @@ class ParameterServer:
                 self._notify()
                 log.info("learner %d (%s) left", learner.learner_id, learner.name)
 
+    def _shared_memory(self) -> tuple[Any, Any]:
+        """(allocate, free) of memory a listening transport sends without copying, if any."""
+        for url in self.config.listen:
+            transport = transports.transport_for(url)
+            if hasattr(transport, "allocate_shared"):
+                return transport.allocate_shared, transport.free_shared
+        return None, None
+
     def _reject(self, code: str) -> None:
         self.rejected[code] = self.rejected.get(code, 0) + 1
 
@@ -285,7 +295,7 @@ class ParameterServer:
                     f"as one float32 segment of {layout.size} values",
                     code="no_weights",
                 )
-            self.store = WeightStore(layout, arrays[0].reshape(-1), self.kernel)
+            self.store = WeightStore(layout, arrays[0].reshape(-1), self.kernel, *self._shared_memory())
             assert self._initialized is not None
             self._initialized.set()
             log.info("weights initialized by %s: %d parameters in %d tensors", peer, layout.size, len(layout.tensors))

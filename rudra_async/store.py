@@ -8,7 +8,7 @@ common path.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -19,12 +19,20 @@ from .layout import Layout
 class WeightStore:
     """``kernel`` names the update backend (see :func:`rudra_async.kernels.resolve`)."""
 
-    def __init__(self, layout: Layout, initial: np.ndarray, kernel: str = "numpy") -> None:
+    def __init__(self, layout: Layout, initial: np.ndarray, kernel: str = "numpy",
+                 allocate: Callable[[int], np.ndarray] | None = None,
+                 free: Callable[[np.ndarray], None] | None = None) -> None:
+        """``allocate(nbytes)``/``free(buffer)`` provide the published buffers (e.g. shared
+        memory a transport can send without copying); plain memory by default."""
         if initial.size != layout.size:
             raise ValueError(f"initial weights have {initial.size} values, layout needs {layout.size}")
         self.layout = layout
         self.clock = 0
-        self._current = np.array(initial, dtype=np.float32, copy=True).reshape(-1)
+        self._allocate = allocate or (lambda nbytes: np.empty(nbytes, np.uint8))
+        self._free = free
+        self._buffers: list[np.ndarray] = []
+        self._current = self._new_buffer()
+        self._current[:] = np.asarray(initial, np.float32).reshape(-1)
         self.updater: Updater = make_updater(kernel, layout.size)
         self._leases: dict[int, int] = {}  # id(buffer) -> readers
         self._spares: list[np.ndarray] = []
@@ -68,4 +76,16 @@ class WeightStore:
         return self.clock
 
     def _spare(self) -> np.ndarray:
-        return self._spares.pop() if self._spares else np.empty_like(self._current)
+        return self._spares.pop() if self._spares else self._new_buffer()
+
+    def _new_buffer(self) -> np.ndarray:
+        buf = self._allocate(4 * self.layout.size).view(np.float32)
+        self._buffers.append(buf)
+        return buf
+
+    def close(self) -> None:
+        """Give the buffers back to their allocator (views stay readable). Idempotent."""
+        if self._free is not None:
+            for buf in self._buffers:
+                self._free(buf)
+        self._buffers.clear()

@@ -147,3 +147,33 @@ async def test_server_listens_on_tcp_and_shm_at_once():
         np.testing.assert_array_equal(w.array, ps.store.weights)
         for c in (a, b):
             await c.close()
+
+
+async def test_exported_memory_is_sent_by_reference_and_held_until_released():
+    """The server publishes weights in exported shared memory: a pull moves a reference (no
+    copy on the server), and the sender's send (and so the weights' lease) lasts until the
+    reader released the frame: the reader never sees the buffer change under it."""
+    frames = asyncio.Queue()
+
+    async def keep(conn):
+        while True:
+            try:
+                await frames.put(await conn.recv())
+            except Exception:
+                return
+
+    listener = await transports.listen("shm://", keep)
+    conn = await transports.connect(listener.address)
+    weights = shm.allocate_shared(4 * 300_000).view(np.float32)
+    weights[:] = 7.0
+    sending = asyncio.create_task(conn.send(MsgType.WEIGHTS, {"timestamp": 1}, [weights]))
+    frame = await asyncio.wait_for(frames.get(), 5)
+    await asyncio.sleep(0.05)
+    assert not sending.done()  # held: the reader has not released yet
+    assert conn._out == {}  # no staging segment: nothing was copied
+    assert np.all(frame.arrays[0] == 7.0)
+    frame.release()
+    await asyncio.wait_for(sending, 5)
+    shm.free_shared(weights)
+    conn.close()
+    await listener.close()

@@ -1,8 +1,44 @@
 """The transport contract: move whole frames between two endpoints.
 
-A transport module provides ``connect(url, limits, timeout)`` returning a
-:class:`Connection` and ``listen(url, on_connection, limits)`` returning a
-:class:`Listener`. Everything above this layer speaks frames, never bytes.
+A transport is a module (or any object) with two coroutines::
+
+    async def connect(url, *, limits: Limits, timeout: float) -> Connection
+    async def listen(url, on_connection, *, limits: Limits) -> Listener
+
+registered under the entry-point group ``rudra_async.transports`` with its URL scheme as
+the name. Everything above this layer speaks frames (:mod:`rudra_async.wire`), never bytes.
+
+Contract, for every transport:
+
+- **Framing is the transport's job.** ``send`` takes a message type, a metadata map and
+  arrays; ``recv`` returns a :class:`~rudra_async.wire.Frame` with the same type, metadata
+  (plus its ``seg`` list) and arrays of the same dtypes, shapes and bytes. How the bytes
+  travel (one stream, segments in shared memory, UCX messages) is the transport's own.
+- **Ordering.** Frames arrive in the order they were sent on that connection. Concurrent
+  ``send`` calls on one connection never interleave the parts of two frames.
+- **Ownership.** ``send`` returns once the arrays may be modified by the caller again.
+  A received frame's ``body`` (and ``arrays``) stays valid until ``frame.release()``; a
+  transport may recycle the memory after that, so consumers release promptly, and a
+  transport that lends memory (shared memory) must not let it change before the release.
+- **Back-pressure.** A transport bounds what it buffers: a receiver that does not consume
+  eventually makes ``send`` wait on the other side; nothing grows without limit.
+- **Size limits.** Bodies up to ``limits.max_body`` (8 GiB by default; 64-bit lengths,
+  no 2 GB cliff) and metadata up to ``limits.max_meta`` must work; larger ones are refused
+  with :class:`~rudra_async.errors.FrameTooLarge`, by the sender before sending and by
+  the receiver before allocating.
+- **Errors.** :class:`~rudra_async.errors.PeerGone` when the peer closed or died or the
+  link broke — including in the middle of a frame, which is never delivered in part;
+  :class:`~rudra_async.errors.ConnectionClosed` for any use after a local ``close``; a
+  fatal :class:`~rudra_async.errors.WireError` from ``recv`` when the incoming bytes are
+  not valid framing (the connection is unusable after it); ``ConnectError`` from
+  ``connect``/``listen`` at once for a refused connection or a busy address (never a hang:
+  ``connect`` gives up after ``timeout``). No foreign exception escapes.
+- **Close.** ``close`` is idempotent, never raises, and makes the peer's ``recv`` raise
+  ``PeerGone``. ``Listener.close`` stops accepting, closes every accepted connection and
+  waits for their handlers. A listener accepts new connections after old ones closed
+  (reconnect).
+
+:func:`rudra_async.testing.check_transport` checks all of this against a live transport.
 """
 from __future__ import annotations
 
@@ -15,38 +51,29 @@ from ..wire import Allocator, Frame
 
 
 class Connection(abc.ABC):
-    """One bidirectional, ordered stream of frames.
-
-    - ``send`` returns once the frame has been handed to the operating system, so the
-      caller may reuse (or let others modify) the arrays it passed afterwards.
-    - ``recv`` returns frames in the order they were sent. It raises
-      :class:`~rudra_async.errors.PeerGone` when the peer closed or the link broke
-      (including in the middle of a frame), :class:`~rudra_async.errors.ConnectionClosed`
-      after a local ``close``, and a fatal :class:`~rudra_async.errors.WireError` when the
-      incoming byte stream is not valid framing (the connection is then unusable).
-    - ``close`` is idempotent and never raises.
-    - Reading pauses when unconsumed frames pile up (back-pressure on the sender).
-    """
+    """One bidirectional, ordered stream of frames (see the module docstring for the contract)."""
 
     peer: str = "?"
+    #: optional hook choosing where a received body goes (see ``wire.Allocator``); a
+    #: transport that hands out bodies in place (shared memory) may ignore it
     allocator: Allocator | None = None
 
     @abc.abstractmethod
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        ...
+        """Send one frame; returns when the arrays may be reused. Raises PeerGone/ConnectionClosed."""
 
     @abc.abstractmethod
     async def recv(self) -> Frame:
-        ...
+        """The next frame, in order. Raises PeerGone, ConnectionClosed or a fatal WireError."""
 
     @abc.abstractmethod
     def close(self) -> None:
-        ...
+        """Close this end. Idempotent; never raises."""
 
     @property
     @abc.abstractmethod
     def is_closed(self) -> bool:
-        ...
+        """True after a local close or once the peer is known to be gone."""
 
     @abc.abstractmethod
     async def wait_lost(self) -> None:
@@ -57,9 +84,10 @@ class Connection(abc.ABC):
 
 
 class Listener(abc.ABC):
-    """Accepts connections and hands each to the ``on_connection`` coroutine given to ``listen``."""
+    """Accepts connections and hands each to the ``on_connection`` coroutine given to ``listen``;
+    the connection is closed when that coroutine returns."""
 
-    #: the URL peers can connect to (with the real port when 0 was asked for)
+    #: the URL peers can connect to (with the real port or name when 0 or none was asked for)
     address: str
 
     @abc.abstractmethod

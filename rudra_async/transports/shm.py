@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import _posixshmem
 import asyncio
+import atexit
 import itertools
 import os
 import secrets
@@ -30,8 +31,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectionClosed, MalformedFrame, PeerGone
-from ..wire import Frame, Limits, parse_segments, spec_of
+from ..errors import ConfigError, MalformedFrame
+from ..wire import Frame, Limits, encode_frame, parse_segments, spec_of
 from .base import Connection, Listener, OnConnection
 from .stream import StreamConnection, StreamListener, open_stream, protocol_factory, start_listener
 
@@ -41,6 +42,55 @@ MAX_SEGMENTS = 4  # bodies one side may have outstanding before send waits
 RELEASE = 250  # internal message type: "I am done with your segment"
 _REF = "~shm"  # metadata key of a body reference
 _counter = itertools.count()
+
+
+class _Exported:
+    """Process-wide shared memory that connections can send by reference, without a copy.
+
+    The server allocates its published weight buffers here when it listens on shm, so a
+    pull moves only a reference and the learner makes the one copy into its model.
+    """
+
+    def __init__(self) -> None:
+        self.segments: dict[str, _Segment] = {}
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        seg = _Segment(max(nbytes, 1))
+        self.segments[seg.shm.name] = seg
+        return seg.array[:nbytes]
+
+    def locate(self, array: np.ndarray) -> tuple[str, int] | None:
+        """(segment name, byte offset) if ``array`` lies inside an exported segment."""
+        start = array.__array_interface__["data"][0]
+        for name, seg in self.segments.items():
+            base = seg.array.__array_interface__["data"][0]
+            if base <= start and start + array.nbytes <= base + seg.size:
+                return name, start - base
+        return None
+
+    def free(self, array: np.ndarray) -> None:
+        where = self.locate(array)
+        if where is not None:
+            self.segments.pop(where[0]).destroy()  # unlinks; live views keep their mapping
+
+    def free_all(self) -> None:
+        for seg in self.segments.values():
+            seg.destroy()
+        self.segments.clear()
+
+
+exported = _Exported()
+atexit.register(exported.free_all)
+
+
+def allocate_shared(nbytes: int) -> np.ndarray:
+    """A float32-compatible byte buffer in shared memory that ``shm`` sends without copying."""
+    return exported.allocate(nbytes)
+
+
+def free_shared(array: np.ndarray) -> None:
+    """Give back memory from :func:`allocate_shared` (its name disappears from /dev/shm)."""
+    exported.free(array)
 
 
 def _socket_path(name: str) -> str:
@@ -105,16 +155,21 @@ class ShmConnection(Connection):
         self._out: dict[str, _Segment] = {}
         self._in: dict[str, _Attached] = {}
         self._freed = asyncio.Event()
+        self._lent: dict[tuple[str, int], asyncio.Future[None]] = {}  # exported bodies out
         ctl._proto.intercept = self._intercept
 
     # -- control ---------------------------------------------------------------------------
     def _intercept(self, frame: Frame) -> bool:
         if frame.msg_type != RELEASE:
             return False
-        seg = self._out.get(str(frame.meta.get("name")))
+        name = str(frame.meta.get("name"))
+        seg = self._out.get(name)
         if seg is not None:
             seg.busy = False
             self._freed.set()
+        waiter = self._lent.pop((name, frame.meta.get("offset", 0)), None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         return True
 
     @property
@@ -165,6 +220,16 @@ class ShmConnection(Connection):
         if body > self.limits.max_body:
             raise MalformedFrame(f"body of {body} bytes exceeds the limit of {self.limits.max_body}")
         specs = [spec_of(a).to_wire() for a in arrays]  # validates dtypes before any copy
+        where = exported.locate(arrays[0]) if len(arrays) == 1 and arrays[0].flags.c_contiguous else None
+        if where is not None:  # exported memory: send a reference, hold until the peer is done
+            name, offset = where
+            waiter = self._lent[where] = asyncio.get_running_loop().create_future()
+            await self.ctl.send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
+            lost = asyncio.ensure_future(self.ctl.wait_lost())
+            await asyncio.wait({waiter, lost}, return_when=asyncio.FIRST_COMPLETED)
+            lost.cancel()
+            self._check_open()
+            return
         seg = await self._segment_for(body)
         seg.busy = True
         offset = 0
@@ -182,28 +247,29 @@ class ShmConnection(Connection):
             return frame
         meta = {k: v for k, v in frame.meta.items() if k != _REF}
         try:
-            name, nbytes, specs = ref
-            if not (isinstance(name, str) and isinstance(nbytes, int) and 0 < nbytes <= self.limits.max_body):
+            name, nbytes, specs, *rest = ref
+            offset = rest[0] if rest else 0
+            if not (isinstance(name, str) and isinstance(nbytes, int) and 0 < nbytes <= self.limits.max_body
+                    and isinstance(offset, int) and offset >= 0):
                 raise MalformedFrame(f"bad shared-memory reference {ref!r}")
             meta["seg"] = specs
             parsed = parse_segments(meta, nbytes)
             shm = self._in.get(name)
             if shm is None:
                 shm = self._in[name] = _Attached(name)
-            if shm.size < nbytes:
-                raise MalformedFrame(f"segment {name} is smaller than the {nbytes} bytes referenced")
+            if shm.size < offset + nbytes:
+                raise MalformedFrame(f"segment {name} is smaller than the {offset + nbytes} bytes referenced")
         except (MalformedFrame, ValueError, TypeError, FileNotFoundError) as exc:
             err = exc if isinstance(exc, MalformedFrame) else MalformedFrame(f"bad shared-memory reference: {exc}")
             err.fatal = False
             return Frame(frame.msg_type, meta, memoryview(b""), [], err)
-        return Frame(frame.msg_type, meta, shm.buf[:nbytes], parsed, None, lambda: self._release(name))
+        body = shm.buf[offset : offset + nbytes]
+        return Frame(frame.msg_type, meta, body, parsed, None, lambda: self._release(name, offset))
 
-    def _release(self, name: str) -> None:
+    def _release(self, name: str, offset: int) -> None:
         if not self.ctl.is_closed:
             transport = self.ctl._proto.transport
-            from ..wire import encode_frame
-
-            transport.writelines(encode_frame(RELEASE, {"name": name}))
+            transport.writelines(encode_frame(RELEASE, {"name": name, "offset": offset}))
 
     def close(self) -> None:
         self.ctl.close()

@@ -1,0 +1,168 @@
+"""Each transport's push+pull throughput next to its physical baseline, in one run.
+
+For 1 MB, 16 MB and 100 MB bodies, a frame goes to an echo peer in another process and
+comes back (2 × SIZE bytes per round trip) through the transport API:
+
+- tcp  vs a raw uvloop socket echo of the same bytes (target ≥ 0.8×)
+- shm  vs memcpy of the same bytes, twice (the copies a round trip needs; target ≥ 0.7×)
+- ucx  vs raw ucxx send/recv of the same bytes (target ≥ 0.8×)
+
+then the small-message (256 B) round-trip latency of each, next to the same baseline.
+
+    python benchmarks/transports.py [--reps 10] [--only tcp,shm,ucx]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tcp_roundtrip import raw_round_trips, _serve_raw  # noqa: E402  (same-run raw socket baseline)
+
+from rudra_async import transports  # noqa: E402
+from rudra_async.wire import MsgType  # noqa: E402
+
+SIZES = [1_000_000, 16_000_000, 100_000_000]
+SMALL = 256
+
+
+def _serve_echo(url: str, q) -> None:
+    async def echo(conn):
+        while True:
+            try:
+                f = await conn.recv()
+            except Exception:
+                return
+            await conn.send(f.msg_type, {}, f.arrays)
+            f.release()
+
+    async def main():
+        listener = await transports.listen(url, echo)
+        q.put(listener.address)
+        await asyncio.sleep(3600)
+
+    uvloop.run(main())
+
+
+def _serve_raw_ucx(nbytes: int, q) -> None:
+    import ucxx
+
+    ucxx.init(progress_mode="blocking")
+
+    async def handler(ep):
+        buf = np.empty(nbytes, np.uint8)
+        try:
+            while True:
+                await ep.recv(buf)
+                await ep.send(buf)
+        except Exception:
+            return
+
+    async def main():
+        lf = ucxx.create_listener(handler, 0)
+        q.put(lf.port)
+        await asyncio.sleep(3600)
+
+    uvloop.run(main())
+
+
+async def transport_round_trips(address: str, nbytes: int, reps: int) -> list[float]:
+    conn = await transports.connect(address)
+    arr = np.ones(nbytes // 4, np.float32)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        await conn.send(MsgType.PUSH, {}, [arr])
+        f = await conn.recv()
+        f.release()
+        times.append(time.perf_counter() - t)
+    conn.close()
+    return times[1:]
+
+
+async def raw_ucx_round_trips(port: int, nbytes: int, reps: int) -> list[float]:
+    import ucxx
+
+    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    out, back = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        await ep.send(out)
+        await ep.recv(back)
+        times.append(time.perf_counter() - t)
+    ep.abort()
+    return times[1:]
+
+
+def memcpy_round_trips(nbytes: int, reps: int) -> list[float]:
+    a, b, c = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        np.copyto(c, b)
+        times.append(time.perf_counter() - t)
+    return times[1:]
+
+
+def in_process(target, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q), daemon=True)
+    p.start()
+    return p, q.get(timeout=60)
+
+
+def measure(scheme: str, nbytes: int, reps: int) -> tuple[float, float]:
+    """(baseline median, transport median) seconds per round trip."""
+    if scheme == "shm":
+        base = statistics.median(memcpy_round_trips(nbytes, reps))
+    elif scheme == "tcp":
+        p, port = in_process(_serve_raw, nbytes)
+        base = statistics.median(uvloop.run(raw_round_trips(port, nbytes, reps)))
+        p.kill()
+    else:
+        p, port = in_process(_serve_raw_ucx, nbytes)
+        from rudra_async_ucx import _ucxx
+
+        _ucxx()
+        base = statistics.median(uvloop.run(raw_ucx_round_trips(port, nbytes, reps)))
+        p.kill()
+    url = {"tcp": "tcp://127.0.0.1:0", "shm": "shm://", "ucx": "ucx://127.0.0.1:0"}[scheme]
+    p, address = in_process(_serve_echo, url)
+    ours = statistics.median(uvloop.run(transport_round_trips(address, nbytes, reps)))
+    p.kill()
+    return base, ours
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--small-reps", type=int, default=1000)
+    ap.add_argument("--only", default="tcp,shm,ucx")
+    args = ap.parse_args()
+    baseline_name = {"tcp": "raw uvloop socket", "shm": "memcpy x2", "ucx": "raw ucxx"}
+    print(f"push+pull round trip through the transport API, echo peer in another process; median of {args.reps}")
+    for scheme in args.only.split(","):
+        for n in SIZES:
+            base, ours = measure(scheme, n, args.reps)
+            gb = lambda t: 2 * n / t / 1e9  # noqa: E731
+            print(f"  {scheme:3} {n / 1e6:5.0f} MB: {baseline_name[scheme]:17} {gb(base):6.2f} GB/s   "
+                  f"{scheme} {gb(ours):6.2f} GB/s   ratio {base / ours:4.2f}x")
+    print(f"small message ({SMALL} B) round trip, median of {args.small_reps}")
+    for scheme in args.only.split(","):
+        base, ours = measure(scheme, SMALL, args.small_reps)
+        print(f"  {scheme:3}: {baseline_name[scheme]:17} {base * 1e6:8.1f} us   {scheme} {ours * 1e6:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
