@@ -67,6 +67,7 @@ class UcxConnection(Connection):
         self.allocator = None
         self._send_lock = asyncio.Lock()
         self._queue: asyncio.Queue[Frame | BaseException] = asyncio.Queue()
+        self._free: list[bytearray] = []  # released body buffers, reused (fresh pages are slow)
         self._closed = False
         self._lost: BaseException | None = None
         self._lost_future = asyncio.get_running_loop().create_future()
@@ -94,15 +95,26 @@ class UcxConnection(Connection):
         body = None
         if self.allocator is not None and header.body_len:
             body = self.allocator(header.msg_type, meta, header.body_len)
-        owned = body is None
-        view = memoryview(bytearray(header.body_len)) if owned else body.cast("B")
+        owned = self._take(header.body_len) if body is None else None
+        view = memoryview(owned)[: header.body_len] if owned is not None else body.cast("B")
         target = np.frombuffer(view, np.uint8) if header.body_len else np.empty(0, np.uint8)
         offset = 0
         for spec in specs:
             if spec.nbytes:
                 await self._recv_into(target[offset : offset + spec.nbytes])
                 offset += spec.nbytes
-        return Frame(header.msg_type, meta, view, specs, error)
+        release = (lambda: self._give_back(owned)) if owned is not None else None
+        return Frame(header.msg_type, meta, view, specs, error, release)
+
+    def _take(self, n: int) -> bytearray:
+        for i, buf in enumerate(self._free):
+            if len(buf) >= n:
+                return self._free.pop(i)
+        return bytearray(n)
+
+    def _give_back(self, buf: bytearray) -> None:
+        if len(self._free) < 2:
+            self._free.append(buf)
 
     async def _read_frames(self) -> None:
         ucxx = _ucxx()
