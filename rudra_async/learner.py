@@ -103,7 +103,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
             loss.backward()
             loss_value = loss.item()
             try:
-                w = client.push_pull(flat.grads.numpy(), w.timestamp, steps, len(idx))
+                w = client.push_pull(flat.grads.numpy(), w.timestamp, steps, len(idx), loss_value)
             except RemoteError as exc:
                 if exc.code == "stopped":
                     break

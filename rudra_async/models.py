@@ -23,7 +23,23 @@ def softmax_regression(n_features: int, n_classes: int) -> Any:
     return nn.Sequential(nn.Flatten(), nn.Linear(n_features, n_classes))
 
 
-MODELS: dict[str, Callable[..., Any]] = {"mlp": mlp, "linear": softmax_regression}
+def cifar10_full(n_features: int, n_classes: int) -> Any:
+    """Caffe's "cifar10_full" as the Rudra study used it (about 90k parameters):
+    conv 5×5×32 (pad 2) → maxpool 3/2 → ReLU → LRN(3); conv 5×5×32 → ReLU → avgpool 3/2 →
+    LRN(3); conv 5×5×64 → ReLU → avgpool 3/2; fc 1024 → classes. Expects 3×32×32 input."""
+    from torch import nn
+
+    if n_features != 3 * 32 * 32:
+        raise ConfigError(f"cifar10_full expects 3x32x32 images, the data set has {n_features} features")
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 5, padding=2), nn.MaxPool2d(3, 2, ceil_mode=True), nn.ReLU(), nn.LocalResponseNorm(3),
+        nn.Conv2d(32, 32, 5, padding=2), nn.ReLU(), nn.AvgPool2d(3, 2, ceil_mode=True), nn.LocalResponseNorm(3),
+        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.AvgPool2d(3, 2, ceil_mode=True),
+        nn.Flatten(), nn.Linear(64 * 4 * 4, n_classes),
+    )
+
+
+MODELS: dict[str, Callable[..., Any]] = {"mlp": mlp, "linear": softmax_regression, "cifar10_full": cifar10_full}
 
 
 def resolve(name: str) -> Callable[..., Any]:

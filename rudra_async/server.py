@@ -63,6 +63,18 @@ def _int_field(meta: dict[str, Any], key: str, default: int | None = None) -> in
     return value
 
 
+def loss_curve(losses: list[tuple[int, float]], points: int = 50) -> list[list[float]]:
+    """The reported training losses averaged into ``points`` buckets: [[update, loss], ...]."""
+    if not losses:
+        return []
+    size = max(1, len(losses) // points)
+    curve = []
+    for i in range(0, len(losses), size):
+        chunk = losses[i : i + size]
+        curve.append([chunk[-1][0], sum(l for _, l in chunk) / len(chunk)])
+    return curve
+
+
 def make_protocol(cfg: ServerConfig) -> SyncProtocol:
     return registry.create("protocol", cfg.protocol, cfg.protocol_kwargs(), SyncProtocol)
 
@@ -86,6 +98,8 @@ class ParameterServer:
             flat = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in initial.values()])
             self.store = WeightStore(layout, flat, self.kernel, *self._shared_memory())
         self.learners: dict[int, LearnerInfo] = {}
+        self.waiting: set[int] = set()  # learners whose request waits on the protocol
+        self.losses: list[tuple[int, float]] = []  # (clock, training loss) as learners report it
         self.staleness = StalenessHistogram()
         self.rejected: dict[str, int] = {}
         self.samples_seen = 0
@@ -190,25 +204,32 @@ class ParameterServer:
                 for i, l in self.learners.items()
             },
             "rejected": dict(self.rejected),
+            "loss_curve": loss_curve(self.losses),
         }
 
     # -- waiting ------------------------------------------------------------------------------
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        self.waiting.clear()  # every waiter re-checks; those still blocked re-enter
 
-    async def _until(self, ready: Callable[[], bool], conn: Connection) -> None:
+    async def _until(self, ready: Callable[[], bool], conn: Connection, learner: int) -> None:
         """Wait until ``ready()`` (re-checked on every state change), the run stops or closes.
-        Raises PeerGone if the connection is lost meanwhile."""
+        Raises PeerGone if the connection is lost meanwhile. ``waiting`` holds the learners
+        blocked here (the simulator's scheduler reads it)."""
+        if ready() or self.stopped or self.closing:
+            return
         lost = asyncio.ensure_future(conn.wait_lost())
         try:
             while not (ready() or self.stopped or self.closing):
+                self.waiting.add(learner)
                 changed = asyncio.ensure_future(self._changed.wait())
                 await asyncio.wait({changed, lost}, return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
                 if lost.done():
                     raise PeerGone("connection lost while waiting")
         finally:
+            self.waiting.discard(learner)
             lost.cancel()
 
     # -- the update path ----------------------------------------------------------------------
@@ -330,6 +351,9 @@ class ParameterServer:
         grad = frame.arrays[0]
         if not np.isfinite(grad).all():
             raise RequestError("gradient contains NaN or infinity", code="bad_gradient")
+        loss = meta.get("loss")
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool) and len(self.losses) < 1_000_000:
+            self.losses.append((store.clock, float(loss)))
         pending = _Pending(frame, grad, samples)
         decision = self.protocol.push(Gradient(learner.learner_id, stamp, pending))
         self._decide(decision)
@@ -421,7 +445,7 @@ class _Session:
                 raise RequestError(f"learner id {meta.get('learner_id')!r} is not this connection's", code="bad_request")
             pending, decision = server._accept_push(self.learner, meta, frame)
             if decision.wait_applied:
-                await server._until(lambda: pending.outcome != "pending", self.conn)
+                await server._until(lambda: pending.outcome != "pending", self.conn, learner_id)
             if not meta.get("pull"):
                 ack = {"timestamp": server.clock, "status": pending.outcome, "staleness": pending.staleness,
                        "stop": server.stopped}
@@ -430,7 +454,8 @@ class _Session:
             floor = -1
         else:
             floor = _int_field(meta, "newer_than", -1)
-        await server._until(lambda: server.clock > max(floor, server.protocol.pull_floor(learner_id)), self.conn)
+        await server._until(lambda: server.clock > max(floor, server.protocol.pull_floor(learner_id)), self.conn,
+                            learner_id)
         await self._send_weights(meta)
         return False, kind == MsgType.PUSH
 

@@ -43,6 +43,10 @@ class TrainConfig:
             raise ConfigError(f"epochs must be > 0, got {self.epochs}")
         return self
 
+    def server_config(self, listen: str, n_train: int) -> ServerConfig:
+        return replace(self.server, listen=[listen], max_updates=self.updates,
+                       samples_per_epoch=self.server.samples_per_epoch or n_train)
+
     def listen_url(self) -> str:
         """Where the run's server listens: a fresh name or port on this machine."""
         if self.transport == "shm":
@@ -69,15 +73,11 @@ def learner_command(cfg: TrainConfig, url: str, index: int, steps: int | None) -
 async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the job and return the results (see README for the keys)."""
     from . import data as datasets
-    from .learner import FlatModel, build_model, evaluate  # torch: the train side needs it anyway
 
     cfg.validate()
     dataset = datasets.load(cfg.dataset)
     steps = cfg.steps_per_learner(len(dataset.y_train))
-    server_cfg = replace(
-        cfg.server, listen=[cfg.listen_url()], max_updates=cfg.updates,
-        samples_per_epoch=cfg.server.samples_per_epoch or len(dataset.y_train),
-    )
+    server_cfg = cfg.server_config(cfg.listen_url(), len(dataset.y_train))
     started = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.learner_threads), "MKL_NUM_THREADS": str(cfg.learner_threads)}
     async with ParameterServer(server_cfg) as server:
@@ -103,11 +103,21 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         if len(failed) == len(procs):
             raise RudraError(f"every learner failed (exit codes {[p.returncode for p in procs]})")
         summaries = [json.loads(out.decode().strip().splitlines()[-1]) for (out, _), p in zip(outputs, procs) if p.returncode == 0]
-        model = build_model(cfg.model, dataset, cfg.seed)
-        FlatModel(model).load(server.store.weights)  # type: ignore[union-attr]
-        accuracy, test_loss = evaluate(model, dataset.x_test, dataset.y_test)
-        stats = server.stats()
         train_s = (server.last_update_at or started) - (server.first_update_at or started)
+        results = summarize(cfg, server, dataset)
+    return {**results, "mode": "processes", "wall_s": wall, "train_s": train_s,
+            "samples_per_s": server.samples_seen / train_s if train_s > 0 else 0.0,
+            "learners_failed": failed, "learner_summaries": summaries}
+
+
+def summarize(cfg: TrainConfig, server: ParameterServer, dataset: Any) -> dict[str, Any]:
+    """The results of a finished run: configuration, final test accuracy, statistics."""
+    from .learner import FlatModel, build_model, evaluate
+
+    model = build_model(cfg.model, dataset, cfg.seed)
+    FlatModel(model).load(server.store.weights)  # type: ignore[union-attr]
+    accuracy, test_loss = evaluate(model, dataset.x_test, dataset.y_test)
+    stats = server.stats()
     return {
         "protocol": cfg.server.protocol,
         "transport": cfg.transport,
@@ -116,19 +126,20 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         "lr": cfg.server.lr,
         "learners": cfg.learners,
         "batch_size": cfg.batch_size,
+        "dataset": cfg.dataset,
+        "model": cfg.model,
         "updates": stats["updates"],
         "gradients": stats["gradients"],
         "dropped": stats["dropped"],
-        "wall_s": wall,
-        "train_s": train_s,
+        "samples": stats["samples"],
         "test_accuracy": accuracy,
+        "test_error": 1.0 - accuracy,
         "test_loss": test_loss,
         "staleness_mean": stats["staleness_mean"],
         "staleness_max": stats["staleness_max"],
         "staleness_histogram": stats["staleness_histogram"],
         "per_learner": stats["learners"],
-        "learners_failed": failed,
-        "learner_summaries": summaries,
+        "loss_curve": stats["loss_curve"],
         "config": asdict(cfg),
     }
 

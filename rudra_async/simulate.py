@@ -1,0 +1,147 @@
+"""In-process simulation for accuracy studies: λ learners as tasks, one deterministic clock.
+
+A 2-core machine cannot time 30 learner processes honestly, but accuracy does not depend
+on wall time, only on the order in which gradients reach the server. Here λ learners are
+coroutines sharing one process and talking to a real :class:`ParameterServer` over the
+in-memory transport, so the same protocol, LR policy and kernel code runs. A seeded
+discrete-event scheduler decides who computes when: each learner's gradient takes a
+virtual duration (1 ± jitter for homogeneous learners; per-learner speed factors drawn
+log-normally when ``heterogeneity`` > 0), and the next learner is released only when
+every other one is either waiting for its turn or blocked by the protocol. The run is
+reproducible: the same seed gives the same gradients in the same order.
+
+Times reported by a simulation are virtual; runtime figures come only from real processes.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from typing import Any
+
+import numpy as np
+
+from .client import Client
+from .errors import RemoteError, RudraError
+from .server import ParameterServer
+from .train import TrainConfig, summarize
+
+#: scheduling points a released learner may take before the scheduler calls it stuck
+MAX_SPINS = 100_000
+
+
+class Scheduler:
+    def __init__(self, server: ParameterServer) -> None:
+        self.server = server
+        self.now = 0.0
+        self.queue: list[tuple[float, int, int]] = []  # (time, tie-break, learner index)
+        self.turns: dict[int, asyncio.Future[None]] = {}
+        self.state: dict[int, str] = {}  # "turn" (waiting for it), "busy", "request", "done"
+        self.ids: dict[int, int] = {}  # learner index -> server learner id
+        self._seq = 0
+
+    def at(self, index: int, when: float) -> asyncio.Future[None]:
+        """Register ``index``'s next gradient as due at virtual time ``when``."""
+        fut = asyncio.get_running_loop().create_future()
+        self.turns[index] = fut
+        self.state[index] = "turn"
+        heapq.heappush(self.queue, (when, self._seq, index))
+        self._seq += 1
+        return fut
+
+    def _quiet(self) -> bool:
+        waiting = self.server.waiting
+        return all(s in ("turn", "done") or (s == "request" and self.ids.get(i) in waiting)
+                   for i, s in self.state.items())
+
+    async def run(self) -> None:
+        while any(s != "done" for s in self.state.values()):
+            spins = 0
+            while not self._quiet():
+                await asyncio.sleep(0)
+                spins += 1
+                if spins > MAX_SPINS:
+                    raise RudraError(f"simulation stuck: learner states {self.state}")
+            if not self.queue:
+                if all(s == "done" for s in self.state.values()):
+                    return
+                proto = {k: (sorted(v) if isinstance(v, (set, dict)) else v)
+                         for k, v in vars(self.server.protocol).items() if k not in ("now", "pending", "held")}
+                raise RudraError(f"simulation deadlock at clock {self.server.clock}: every learner waits ({proto})")
+            when, _, index = heapq.heappop(self.queue)
+            self.now = max(self.now, when)
+            self.state[index] = "busy"
+            self.turns.pop(index).set_result(None)
+
+
+async def _learner(index: int, cfg: TrainConfig, url: str, dataset: Any, steps: int | None, sched: Scheduler,
+                   duration: np.ndarray, rng: np.random.Generator) -> None:
+    import torch
+    from torch import nn
+
+    from .data import minibatches
+    from .learner import FlatModel, build_model
+
+    model = build_model(cfg.model, dataset, cfg.seed)
+    flat = FlatModel(model)
+    sched.state[index] = "request"
+    client = await Client.connect(url, flat.layout, flat.weights.numpy(), name=f"sim-{index}")
+    sched.ids[index] = client.learner_id
+    client.weights = flat.weights.numpy()  # pulled weights land in the model
+    w = await client.pull()
+    x, y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
+    batches = minibatches(len(y), cfg.batch_size, rng)
+    step = 0
+    try:
+        while not w.stop and (steps is None or step < steps):
+            await sched.at(index, sched.now + duration[step % len(duration)])
+            idx = torch.from_numpy(next(batches))
+            flat.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            sched.state[index] = "request"
+            try:
+                w = await client.push_pull(flat.grads.numpy(), w.timestamp, step, len(idx), loss.item())
+            except RemoteError as exc:
+                if exc.code == "stopped":
+                    break
+                raise
+            step += 1
+    finally:
+        sched.state[index] = "done"
+        await client.close()
+
+
+async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float = 0.0) -> dict[str, Any]:
+    """Run ``cfg`` as a simulation; returns the same results as ``train`` plus ``virtual_time``."""
+    import torch
+
+    from . import data as datasets
+
+    cfg.validate()
+    torch.set_num_threads(1)
+    dataset = datasets.load(cfg.dataset)
+    steps = cfg.steps_per_learner(len(dataset.y_train))
+    started = time.monotonic()
+    rng = np.random.default_rng([cfg.seed, 7919])
+    speed = np.exp(rng.normal(0.0, heterogeneity, cfg.learners)) if heterogeneity else np.ones(cfg.learners)
+    budget = steps or max(1, (cfg.updates or 1000) * 4)
+    async with ParameterServer(cfg.server_config("memory://", len(dataset.y_train))) as server:
+        sched = Scheduler(server)
+        tasks = []
+        for i in range(cfg.learners):
+            sched.state[i] = "request"
+            durations = speed[i] * np.clip(1.0 + jitter * rng.standard_normal(min(budget, 100_000)), 0.1, None)
+            tasks.append(asyncio.create_task(_learner(i, cfg, server.addresses[0], dataset, steps, sched, durations,
+                                                      np.random.default_rng([cfg.seed, i]))))
+        runner = asyncio.create_task(sched.run())
+        done, _ = await asyncio.wait([runner, *tasks], return_when=asyncio.FIRST_EXCEPTION)
+        for t in [runner, *tasks]:
+            if t.done() and t.exception() is not None:
+                for other in [runner, *tasks]:
+                    other.cancel()
+                raise t.exception()  # type: ignore[misc]
+        await asyncio.gather(runner, *tasks)
+        results = summarize(cfg, server, dataset)
+    return {**results, "mode": "simulated", "virtual_time": sched.now, "wall_s": time.monotonic() - started,
+            "heterogeneity": heterogeneity}
