@@ -43,17 +43,26 @@ def known(kind: str) -> list[str]:
     return sorted(set(table) | {ep.name for ep in entry_points(group=group)})
 
 
-def resolve(kind: str, name: str) -> Callable[..., Any]:
-    """The class registered as ``name`` for ``kind`` ('protocol' or 'lr policy')."""
-    group, table = GROUPS[kind]
-    if name in table:
-        return _import(table[name], kind, name)
+def load_entry_point(group: str, name: str, kind: str) -> Any | None:
+    """The object registered as ``name`` in an entry-point group, or None; a plugin that
+    fails to import is a ConfigError naming its distribution."""
     for ep in entry_points(group=group, name=name):
         try:
             return ep.load()
         except Exception as exc:
             dist = ep.dist.name if ep.dist else "?"
             raise ConfigError(f"{kind} plugin {name!r} from {dist} failed to load: {exc}") from None
+    return None
+
+
+def resolve(kind: str, name: str) -> Callable[..., Any]:
+    """The class registered as ``name`` for ``kind`` ('protocol' or 'lr policy')."""
+    group, table = GROUPS[kind]
+    if name in table:
+        return _import(table[name], kind, name)
+    plugin = load_entry_point(group, name, kind)
+    if plugin is not None:
+        return plugin
     if ":" in name:
         return _import(name, kind, name)
     raise ConfigError(f"unknown {kind} {name!r}; known: {', '.join(known(kind))} (or module:attr)")

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
+from ..registry import load_entry_point
 from ..wire import Limits
 from .base import Connection, Listener, OnConnection
 
@@ -35,12 +36,9 @@ def transport_for(url: str) -> Any:
     scheme = urlsplit(url).scheme
     if not scheme:
         raise ConfigError(f"address {url!r} has no scheme; expected e.g. tcp://127.0.0.1:7000")
-    for ep in entry_points(group=ENTRY_POINT_GROUP, name=scheme):
-        try:
-            return ep.load()
-        except Exception as exc:
-            dist = ep.dist.name if ep.dist else "?"
-            raise ConfigError(f"transport plugin {scheme!r} from {dist} failed to load: {exc}") from None
+    plugin = load_entry_point(ENTRY_POINT_GROUP, scheme, "transport")
+    if plugin is not None:
+        return plugin
     if scheme in BUILTIN:  # running from a source tree that was never installed
         return importlib.import_module(BUILTIN[scheme])
     raise ConfigError(f"no transport for scheme {scheme!r} in {url!r}; known: {', '.join(known_schemes())}")

@@ -43,11 +43,17 @@ Contract, for every transport:
 from __future__ import annotations
 
 import abc
+import asyncio
+import logging
 from typing import Any, Awaitable, Callable, Sequence
+from urllib.parse import urlsplit
 
 import numpy as np
 
+from ..errors import ConfigError, RudraError
 from ..wire import Allocator, Frame
+
+log = logging.getLogger(__name__)
 
 
 class Connection(abc.ABC):
@@ -96,3 +102,67 @@ class Listener(abc.ABC):
 
 
 OnConnection = Callable[[Connection], Awaitable[None]]
+
+
+class ServingListener(Listener):
+    """A listener that runs ``on_connection`` once per accepted connection and closes the
+    connection when it returns; subclasses only accept (``_spawn`` or ``await _serve``)
+    and stop accepting (``_stop_accepting``)."""
+
+    def __init__(self, on_connection: OnConnection) -> None:
+        self._on_connection = on_connection
+        self._conns: set[Connection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.address = ""
+
+    def _spawn(self, conn: Connection) -> None:
+        """Serve ``conn`` in a task of its own."""
+        asyncio.get_running_loop().create_task(self._serve(conn))
+
+    async def _serve(self, conn: Connection) -> None:
+        """Serve ``conn`` in the current task (for transports that call back in a task)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(conn)
+        self._tasks.add(task)
+        try:
+            await self._on_connection(conn)
+        except (RudraError, asyncio.CancelledError):
+            pass
+        except Exception:  # a handler bug must not take the listener down
+            log.exception("connection handler for %s failed", conn.peer)
+        finally:
+            conn.close()
+            self._conns.discard(conn)
+            self._tasks.discard(task)
+
+    def _stop_accepting(self) -> None:
+        """Stop taking new connections (the subclass's server object)."""
+
+    async def close(self) -> None:
+        self._stop_accepting()
+        for conn in list(self._conns):
+            conn.close()
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def parse_host_port(url: str, scheme: str) -> tuple[str, int]:
+    """``scheme://host:port`` (IPv6 in brackets) → (host, port), or a ConfigError saying why."""
+    parts = urlsplit(url)
+    if parts.scheme != scheme:
+        raise ConfigError(f"not a {scheme}:// address: {url!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"bad port in {url!r}") from None
+    if not parts.hostname or port is None:
+        raise ConfigError(f"address {url!r} needs a host and a port, e.g. {scheme}://127.0.0.1:7000")
+    return parts.hostname, port
+
+
+def format_host_port(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"

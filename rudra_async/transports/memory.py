@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ConfigError, ConnectError, ConnectionClosed, PeerGone
 from ..wire import Frame, FrameReader, Limits, encode_frame
-from .base import Connection, Listener, OnConnection
+from .base import Connection, OnConnection, ServingListener
 
 IN_PROCESS = True
 _listeners: dict[str, "MemoryListener"] = {}
@@ -103,38 +103,15 @@ class MemoryConnection(Connection):
             self.other._gone()
 
 
-class MemoryListener(Listener):
+class MemoryListener(ServingListener):
     def __init__(self, name: str, on_connection: OnConnection, limits: Limits) -> None:
+        super().__init__(on_connection)
         self.name = name
         self.address = f"memory://{name}"
         self.limits = limits
-        self._on_connection = on_connection
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._conns: set[MemoryConnection] = set()
 
-    def _accept(self, conn: MemoryConnection) -> None:
-        self._conns.add(conn)
-        task = asyncio.get_running_loop().create_task(self._run(conn))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, conn: MemoryConnection) -> None:
-        try:
-            await self._on_connection(conn)
-        except Exception:
-            pass
-        finally:
-            conn.close()
-            self._conns.discard(conn)
-
-    async def close(self) -> None:
+    def _stop_accepting(self) -> None:
         _listeners.pop(self.name, None)
-        for conn in list(self._conns):
-            conn.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _name(url: str) -> str:
@@ -160,5 +137,5 @@ async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0)
     client = MemoryConnection(limits, f"memory://{name}")
     server = MemoryConnection(listener.limits, f"memory://{name}#client")
     client.other, server.other = server, client
-    listener._accept(server)
+    listener._spawn(server)
     return client

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import socket
 from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConnectError, ConnectionClosed, PeerGone, RudraError, WireError
+from ..errors import ConnectError, ConnectionClosed, PeerGone, WireError
 from ..wire import Frame, FrameReader, Limits, encode_frame
-from .base import Connection, Listener, OnConnection
+from .base import Connection, OnConnection, ServingListener, format_host_port
 
-log = logging.getLogger(__name__)
 
 MAX_QUEUED_FRAMES = 8  # pause reading beyond this many unconsumed frames
 LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
@@ -188,48 +186,24 @@ class StreamConnection(Connection):
             raise self._proto.lost
 
 
-class StreamListener(Listener):
+class StreamListener(ServingListener):
     def __init__(self, on_connection: OnConnection) -> None:
-        self._on_connection = on_connection
+        super().__init__(on_connection)
         self._server: asyncio.AbstractServer | None = None
-        self._conns: set[StreamConnection] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.address = ""
 
     def _accepted(self, proto: _FrameProtocol) -> None:
-        conn = StreamConnection(proto)
-        self._conns.add(conn)
-        task = asyncio.get_running_loop().create_task(self._run(conn))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(StreamConnection(proto))
 
-    async def _run(self, conn: StreamConnection) -> None:
-        try:
-            await self._on_connection(conn)
-        except (RudraError, asyncio.CancelledError):
-            pass
-        except Exception:  # a handler bug must not take the listener down
-            log.exception("connection handler for %s failed", conn.peer)
-        finally:
-            conn.close()
-            self._conns.discard(conn)
-
-    async def close(self) -> None:
+    def _stop_accepting(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for conn in list(self._conns):
-            conn.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def describe_peer(transport: Any) -> str:
     peer = transport.get_extra_info("peername")
     if isinstance(peer, tuple) and len(peer) >= 2:
-        return f"tcp://[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"tcp://{peer[0]}:{peer[1]}"
+        return format_host_port("tcp", peer[0], peer[1])
     return f"unix:{peer!r}" if peer else "unix:?"
 
 

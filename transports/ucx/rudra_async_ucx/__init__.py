@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import os
 from typing import Any, Sequence
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from rudra_async.errors import ConfigError, ConnectError, ConnectionClosed, PeerGone, WireError
-from rudra_async.transports.base import Connection, Listener, OnConnection
+from rudra_async.errors import ConnectError, ConnectionClosed, PeerGone, WireError
+from rudra_async.transports.base import Connection, OnConnection, ServingListener, format_host_port, parse_host_port
 from rudra_async.wire import (
     HEADER_SIZE,
     Frame,
@@ -47,16 +46,7 @@ def _ucxx() -> Any:
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    if parts.scheme != "ucx":
-        raise ConfigError(f"not a ucx:// address: {url!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ConfigError(f"bad port in {url!r}") from None
-    if not parts.hostname or port is None:
-        raise ConfigError(f"address {url!r} needs a host and a port, e.g. ucx://10.0.0.1:13337")
-    return parts.hostname, port
+    return parse_host_port(url, "ucx")
 
 
 class UcxConnection(Connection):
@@ -117,7 +107,6 @@ class UcxConnection(Connection):
             self._free.append(buf)
 
     async def _read_frames(self) -> None:
-        ucxx = _ucxx()
         try:
             while True:
                 await self._queue.put(await self._read_frame())
@@ -187,42 +176,20 @@ class UcxConnection(Connection):
             self._lost_future.set_result(None)
 
 
-class UcxListener(Listener):
+class UcxListener(ServingListener):
     def __init__(self, host: str, on_connection: OnConnection, limits: Limits) -> None:
-        self._on_connection = on_connection
+        super().__init__(on_connection)
         self._limits = limits
         self._host = host
-        self._conns: set[UcxConnection] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._listener: Any = None
-        self.address = ""
 
-    async def _handle(self, ep: Any) -> None:
-        conn = UcxConnection(ep, self._limits, f"ucx://{self._host}#peer")
-        self._conns.add(conn)
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        try:
-            await self._on_connection(conn)
-        except Exception:
-            pass
-        finally:
-            conn.close()
-            self._conns.discard(conn)
-            if task is not None:
-                self._tasks.discard(task)
+    async def _handle(self, ep: Any) -> None:  # ucxx calls this in a task of its own
+        await self._serve(UcxConnection(ep, self._limits, f"ucx://{self._host}#peer"))
 
-    async def close(self) -> None:
+    def _stop_accepting(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for conn in list(self._conns):
-            conn.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> UcxListener:
@@ -234,8 +201,7 @@ async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limi
         listener._listener = ucxx.create_listener(listener._handle, port)
     except Exception as exc:
         raise ConnectError(f"cannot listen on {url}: {exc}") from None
-    shown = f"[{host}]" if ":" in host else host
-    listener.address = f"ucx://{shown}:{listener._listener.port}"
+    listener.address = format_host_port("ucx", host, listener._listener.port)
     return listener
 
 
