@@ -13,6 +13,7 @@ from typing import Any, Callable
 from .config import ServerConfig
 from .errors import ConfigError, RudraError
 from .server import ParameterServer
+from .transports import transport_for
 
 
 @dataclass
@@ -37,6 +38,8 @@ class TrainConfig:
         if self.learners < 1:
             raise ConfigError(f"need at least one learner, got {self.learners}")
         self.server.validate().check_learners(self.learners)
+        if getattr(transport_for(self.listen_url()), "IN_PROCESS", False):
+            raise ConfigError(f"transport {self.transport!r} cannot reach learner processes; use tcp, shm or ucx")
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if self.updates is None and not self.epochs > 0:

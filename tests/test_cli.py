@@ -108,6 +108,9 @@ def test_port_in_use_fails_at_once():
         (["server", "--listen", "127.0.0.1:7000"], "has no scheme"),
         (["server", "--listen", "carrier-pigeon://x:1"], "no transport for scheme"),
         (["train", "--learners", "0"], "at least one learner"),
+        (["train", "--transport", "memory"], "cannot reach learner processes"),
+        (["train", "--transport", "pigeon"], "no transport for scheme"),
+        (["train", "--protocol", "softsync", "--n", "8", "--learners", "4"], "n <= λ"),
         (["learner", "--connect", "tcp://127.0.0.1:1", "--model", "nope"], "unknown model"),
     ],
 )

@@ -71,15 +71,13 @@ class UcxConnection(Connection):
         head = np.empty(HEADER_SIZE, np.uint8)
         await self._recv_into(head)
         header = unpack_header(head.tobytes(), self.limits)
-        meta, specs, error = {}, [], None
+        meta, specs = {}, []
         if header.meta_len:
             raw = np.empty(header.meta_len, np.uint8)
             await self._recv_into(raw)
-            try:
-                meta = decode_meta(raw.tobytes())
-                specs = parse_segments(meta, header.body_len)
-            except WireError as exc:  # the sender's segment messages cannot be matched: fatal
-                raise exc
+            # a bad segment list is fatal here: the body's messages could not be matched up
+            meta = decode_meta(raw.tobytes())
+            specs = parse_segments(meta, header.body_len)
         elif header.body_len:
             raise WireError("a body without segment descriptors", code="malformed")
         body = None
@@ -94,7 +92,7 @@ class UcxConnection(Connection):
                 await self._recv_into(target[offset : offset + spec.nbytes])
                 offset += spec.nbytes
         release = (lambda: self._give_back(owned)) if owned is not None else None
-        return Frame(header.msg_type, meta, view, specs, error, release)
+        return Frame(header.msg_type, meta, view, specs, None, release)
 
     def _take(self, n: int) -> bytearray:
         for i, buf in enumerate(self._free):
