@@ -62,8 +62,9 @@ def gpu(reps: int) -> None:
     import cupy as cp
 
     n = 25_000_000
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    print(f"GPU: {props['name'].decode()}, n = {n:,} float32, median of {reps}")
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    print(f"GPU: {name}, n = {n:,} float32, median of {reps}")
     a, b = cp.ones(n * 4, cp.float32), cp.empty(n * 4, cp.float32)
 
     def copy():
