@@ -204,6 +204,26 @@ class Frame:
             release()
 
 
+class BufferPool:
+    """Body buffers for reuse: freshly allocated pages fill several times slower than warm
+    ones, so released buffers are kept (at most ``keep``) and handed out again."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[bytearray] = []
+
+    def take(self, nbytes: int) -> bytearray:
+        """A buffer of at least ``nbytes`` (reused when one is free)."""
+        for i, buf in enumerate(self._free):
+            if len(buf) >= nbytes:
+                return self._free.pop(i)
+        return bytearray(nbytes)
+
+    def give_back(self, buf: bytearray) -> None:
+        if len(self._free) < self.keep:
+            self._free.append(buf)
+
+
 #: ``allocate(msg_type, meta, nbytes)`` may return a writable buffer of exactly ``nbytes``
 #: to receive the body into (e.g. a model's parameter buffer), or None for the default pool.
 Allocator = Callable[[int, dict[str, Any], int], "memoryview | None"]
@@ -224,7 +244,7 @@ class FrameReader:
         self.limits = limits
         self.allocate = allocate
         self._head = bytearray(HEADER_SIZE)
-        self._free: list[bytearray] = []
+        self.pool = BufferPool()
         self._begin_header()
 
     # -- state -------------------------------------------------------------------------
@@ -296,22 +316,12 @@ class FrameReader:
         self._state = "body"
         target = self.allocate(self._header.msg_type, self._meta, n) if self.allocate else None
         if target is None:
-            self._owned = self._take(n)
+            self._owned = self.pool.take(n)
             target = memoryview(self._owned)[:n]
         elif len(target) != n:
             raise ValueError("allocator returned a buffer of the wrong size")
         self._buf = target.cast("B") if target.format != "B" else target
         return None
-
-    def _take(self, n: int) -> bytearray:
-        for i, b in enumerate(self._free):
-            if len(b) >= n:
-                return self._free.pop(i)
-        return bytearray(n)
-
-    def _give_back(self, buf: bytearray) -> None:
-        if len(self._free) < 2:
-            self._free.append(buf)
 
     def _emit(self, body: memoryview) -> Frame:
         assert self._header is not None
@@ -322,7 +332,7 @@ class FrameReader:
             body,
             self._specs,
             self._error,
-            (lambda: self._give_back(owned)) if owned is not None else None,
+            (lambda: self.pool.give_back(owned)) if owned is not None else None,
         )
         self._begin_header()
         return frame

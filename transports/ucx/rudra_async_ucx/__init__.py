@@ -23,6 +23,7 @@ from rudra_async.errors import ConnectError, ConnectionClosed, PeerGone, WireErr
 from rudra_async.transports.base import Connection, OnConnection, ServingListener, format_host_port, parse_host_port
 from rudra_async.wire import (
     HEADER_SIZE,
+    BufferPool,
     Frame,
     Limits,
     decode_meta,
@@ -57,7 +58,7 @@ class UcxConnection(Connection):
         self.allocator = None
         self._send_lock = asyncio.Lock()
         self._queue: asyncio.Queue[Frame | BaseException] = asyncio.Queue()
-        self._free: list[bytearray] = []  # released body buffers, reused (fresh pages are slow)
+        self._pool = BufferPool()
         self._closed = False
         self._lost: BaseException | None = None
         self._lost_future = asyncio.get_running_loop().create_future()
@@ -83,7 +84,7 @@ class UcxConnection(Connection):
         body = None
         if self.allocator is not None and header.body_len:
             body = self.allocator(header.msg_type, meta, header.body_len)
-        owned = self._take(header.body_len) if body is None else None
+        owned = self._pool.take(header.body_len) if body is None else None
         view = memoryview(owned)[: header.body_len] if owned is not None else body.cast("B")
         target = np.frombuffer(view, np.uint8) if header.body_len else np.empty(0, np.uint8)
         offset = 0
@@ -91,18 +92,8 @@ class UcxConnection(Connection):
             if spec.nbytes:
                 await self._recv_into(target[offset : offset + spec.nbytes])
                 offset += spec.nbytes
-        release = (lambda: self._give_back(owned)) if owned is not None else None
+        release = (lambda: self._pool.give_back(owned)) if owned is not None else None
         return Frame(header.msg_type, meta, view, specs, None, release)
-
-    def _take(self, n: int) -> bytearray:
-        for i, buf in enumerate(self._free):
-            if len(buf) >= n:
-                return self._free.pop(i)
-        return bytearray(n)
-
-    def _give_back(self, buf: bytearray) -> None:
-        if len(self._free) < 2:
-            self._free.append(buf)
 
     async def _read_frames(self) -> None:
         try:
