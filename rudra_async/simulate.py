@@ -135,13 +135,12 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
             tasks.append(asyncio.create_task(_learner(i, cfg, server.addresses[0], dataset, steps, sched, durations,
                                                       np.random.default_rng([cfg.seed, i]))))
         runner = asyncio.create_task(sched.run())
-        done, _ = await asyncio.wait([runner, *tasks], return_when=asyncio.FIRST_EXCEPTION)
-        for t in [runner, *tasks]:
-            if t.done() and t.exception() is not None:
-                for other in [runner, *tasks]:
-                    other.cancel()
-                raise t.exception()  # type: ignore[misc]
-        await asyncio.gather(runner, *tasks)
+        try:
+            await asyncio.gather(runner, *tasks)  # the first failure propagates at once
+        except BaseException:
+            for t in (runner, *tasks):
+                t.cancel()
+            raise
         results = summarize(cfg, server, dataset)
     return {**results, "mode": "simulated", "virtual_time": sched.now, "wall_s": time.monotonic() - started,
             "heterogeneity": heterogeneity}

@@ -24,17 +24,26 @@ def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-async def test_large_bodies_are_read_in_place_and_segments_reused():
-    got = asyncio.Queue()
+def collector(frames: list | asyncio.Queue):
+    """A listener handler that keeps every frame it receives (unreleased) until the peer goes."""
 
     async def keep(conn):
         while True:
             try:
-                await got.put(await conn.recv())
+                frame = await conn.recv()
             except Exception:
                 return
+            if isinstance(frames, asyncio.Queue):
+                await frames.put(frame)
+            else:
+                frames.append(frame)
 
-    listener = await transports.listen("shm://", keep)
+    return keep
+
+
+async def test_large_bodies_are_read_in_place_and_segments_reused():
+    got = asyncio.Queue()
+    listener = await transports.listen("shm://", collector(got))
     conn = await transports.connect(listener.address)
     grad = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
     for step in range(5):
@@ -55,17 +64,7 @@ async def test_large_bodies_are_read_in_place_and_segments_reused():
 
 async def test_held_bodies_make_the_sender_use_another_segment_then_wait():
     frames = []
-    arrived = asyncio.Event()
-
-    async def hold(conn):
-        while True:
-            try:
-                frames.append(await conn.recv())
-                arrived.set()
-            except Exception:
-                return
-
-    listener = await transports.listen("shm://", hold)
+    listener = await transports.listen("shm://", collector(frames))
     conn = await transports.connect(listener.address)
     big = np.ones(1 << 18, np.float32)
     for i in range(shm.MAX_SEGMENTS):
@@ -154,15 +153,7 @@ async def test_exported_memory_is_sent_by_reference_and_held_until_released():
     copy on the server), and the sender's send (and so the weights' lease) lasts until the
     reader released the frame: the reader never sees the buffer change under it."""
     frames = asyncio.Queue()
-
-    async def keep(conn):
-        while True:
-            try:
-                await frames.put(await conn.recv())
-            except Exception:
-                return
-
-    listener = await transports.listen("shm://", keep)
+    listener = await transports.listen("shm://", collector(frames))
     conn = await transports.connect(listener.address)
     weights = shm.allocate_shared(4 * 300_000).view(np.float32)
     weights[:] = 7.0
