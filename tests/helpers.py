@@ -56,3 +56,22 @@ def subprocess_env() -> dict:
 
 
 PYTHON = sys.executable
+
+
+def sgd_reference(w0, batches, lr, momentum, weight_decay, nesterov):
+    """torch.optim.SGD on the combined gradient Σ s·g of each batch; yields weights after each step."""
+    import torch
+
+    p = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    opt = torch.optim.SGD([p], lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    for grads, scales in batches:
+        p.grad = torch.from_numpy(sum(np.float32(s) * g.astype(np.float32) for s, g in zip(scales, grads)))
+        opt.step()
+        yield p.detach().numpy().copy()
+
+
+def random_batches(size, steps, c, dtype=np.float32, seed=1):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        grads = [rng.standard_normal(size).astype(dtype) for _ in range(c)]
+        yield grads, list(rng.uniform(0.1, 1.0, c) / c)

@@ -1,31 +1,15 @@
 """Every update backend equals torch.optim.SGD, and the backends agree with each other."""
 import numpy as np
 import pytest
-import torch
 
 from rudra_async import ConfigError
 from rudra_async.kernels import Updater, cupy_device_available, make_updater, resolve
 from rudra_async.kernels.numpy_kernel import BLOCK, apply
 
+from helpers import random_batches, sgd_reference
+
 gpu = pytest.mark.skipif(not cupy_device_available(), reason="needs CuPy with a CUDA device")
 BACKENDS = ["numpy", "torch", pytest.param("cupy", marks=[pytest.mark.gpu, gpu])]
-
-
-def sgd_reference(w0, batches, lr, momentum, weight_decay, nesterov):
-    """torch.optim.SGD on the combined gradient Σ s·g of each batch; yields weights after each step."""
-    p = torch.nn.Parameter(torch.from_numpy(w0.copy()))
-    opt = torch.optim.SGD([p], lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-    for grads, scales in batches:
-        p.grad = torch.from_numpy(sum(np.float32(s) * g.astype(np.float32) for s, g in zip(scales, grads)))
-        opt.step()
-        yield p.detach().numpy().copy()
-
-
-def random_batches(size, steps, c, dtype=np.float32, seed=1):
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        grads = [rng.standard_normal(size).astype(dtype) for _ in range(c)]
-        yield grads, list(rng.uniform(0.1, 1.0, c) / c)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -72,6 +56,31 @@ def test_backends_agree_with_each_other():
     for name, (w, v) in results.items():
         np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(v, ref_v, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_momentum_snapshot_and_load_resume_the_same_run(backend):
+    """What a checkpoint relies on: (weights, momentum snapshot) restored into a fresh updater
+    continues exactly as the uninterrupted one."""
+    size = 5000
+    batches = list(random_batches(size, 12, 2))
+    w = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    up = make_updater(backend, size)
+    for grads, scales in batches[:6]:
+        up.apply(w, w, grads, scales, 0.05, 0.9, 1e-3, True)
+    snapshot, w_saved = up.momentum, w.copy()
+    up.apply(w, w, *batches[6], 0.05, 0.9, 1e-3, True)
+    assert not np.array_equal(up.momentum, snapshot), "the snapshot must not follow later updates"
+    for grads, scales in batches[7:]:
+        up.apply(w, w, grads, scales, 0.05, 0.9, 1e-3, True)
+    resumed = make_updater(backend, size)
+    resumed.load_momentum(snapshot)
+    for grads, scales in batches[6:]:
+        resumed.apply(w_saved, w_saved, grads, scales, 0.05, 0.9, 1e-3, True)
+    np.testing.assert_array_equal(w_saved, w)
+    np.testing.assert_array_equal(resumed.momentum, up.momentum)
+    with pytest.raises(ValueError, match="momentum must be float32"):
+        resumed.load_momentum(np.zeros(size, np.float64))
 
 
 def test_kernel_rejects_bad_batches():

@@ -45,7 +45,27 @@ class Updater(abc.ABC):
     @property
     @abc.abstractmethod
     def momentum(self) -> np.ndarray:
-        """The momentum buffer as a host array (a copy on a GPU)."""
+        """A snapshot of the momentum buffer in host memory, owned by the caller."""
+
+    @abc.abstractmethod
+    def load_momentum(self, v: np.ndarray) -> None:
+        """Replace the momentum buffer (``size`` float32 values), e.g. from a checkpoint."""
+
+
+class HostUpdater(Updater):
+    """An updater whose momentum lives in host memory (``self._v``)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self._v = np.zeros(size, np.float32)
+
+    @property
+    def momentum(self) -> np.ndarray:
+        return self._v.copy()
+
+    def load_momentum(self, v: np.ndarray) -> None:
+        check_momentum(v, self.size)
+        self._v[:] = v
 
 
 def check_batch(grads: Sequence[np.ndarray], scales: Sequence[float], size: int) -> None:
@@ -54,6 +74,11 @@ def check_batch(grads: Sequence[np.ndarray], scales: Sequence[float], size: int)
     for g in grads:
         if g.size != size or g.dtype not in (np.float32, np.float16):
             raise ValueError(f"gradients must be float32/float16 of {size} values, got {g.dtype} × {g.size}")
+
+
+def check_momentum(v: np.ndarray, size: int) -> None:
+    if v.dtype != np.float32 or v.size != size:
+        raise ValueError(f"momentum must be float32 of {size} values, got {v.dtype} × {v.size}")
 
 
 def cupy_device_available() -> bool:

@@ -1,5 +1,6 @@
-"""The CuPy (CUDA) backend: weights and momentum live on the GPU; one RawKernel folds the
-c scaled gradients, weight decay and momentum in a single pass.
+"""The CuPy (CUDA) backend: weights and momentum live on the GPU; one RawKernel
+(:mod:`.cuda_source`) folds the c scaled gradients, weight decay and momentum in a single
+pass, in place on the device copies.
 
 Gradients arrive in host memory; each is staged through a reused pinned buffer and copied
 to its own device buffer on its own stream, so the copy of gradient k+1 overlaps the copy
@@ -13,40 +14,9 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from . import Updater, check_batch
+from . import Updater, check_batch, check_momentum
+from .cuda_source import KERNEL_SOURCES, kernel_name
 
-_SOURCE = r"""
-#include <cuda_fp16.h>
-extern "C" __global__ void sgd_fold_%(name)s(
-    const float* __restrict__ w, float* __restrict__ w_out, float* __restrict__ v,
-    const unsigned long long* __restrict__ grads, const float* __restrict__ scales, const int c,
-    const float lr, const float momentum, const float weight_decay, const int nesterov,
-    const long long n)
-{
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)blockDim.x * gridDim.x) {
-        float d = 0.0f;
-        for (int k = 0; k < c; ++k) {
-            const %(gtype)s* g = reinterpret_cast<const %(gtype)s*>(grads[k]);
-            d += scales[k] * %(load)s;
-        }
-        const float wi = w[i];
-        d += weight_decay * wi;
-        float step = d;
-        if (momentum != 0.0f) {
-            const float vi = momentum * v[i] + d;
-            v[i] = vi;
-            step = nesterov ? d + momentum * vi : vi;
-        }
-        w_out[i] = wi - lr * step;
-    }
-}
-"""
-_VARIANTS = {
-    np.dtype(np.float32): ("f32", "float", "g[i]"),
-    np.dtype(np.float16): ("f16", "__half", "__half2float(g[i])"),
-}
-KERNEL_SOURCES = {dt: _SOURCE % {"name": n, "gtype": t, "load": ld} for dt, (n, t, ld) in _VARIANTS.items()}
 _THREADS = 256
 
 
@@ -61,7 +31,8 @@ class CupyUpdater(Updater):
         self._grads: list[cp.ndarray] = []  # device buffers, one per gradient slot, reused
         self._pinned: list[np.ndarray] = []  # pinned host staging, one per slot, reused
         self._streams: list[cp.cuda.Stream] = []
-        self._kernels = {dt: cp.RawKernel(src, f"sgd_fold_{_VARIANTS[dt][0]}") for dt, src in KERNEL_SOURCES.items()}
+        self._kernels = {dt: cp.RawKernel(src, kernel_name(dt)) for dt, src in KERNEL_SOURCES.items()}
+        self._pointers: dict[int, cp.ndarray] = {}  # c -> device array of the first c gradient pointers
         device = cp.cuda.Device()
         self._blocks = device.attributes["MultiProcessorCount"] * 8
 
@@ -94,15 +65,20 @@ class CupyUpdater(Updater):
 
     def fold(self, c: int, dtype: np.dtype, scales, lr, momentum, weight_decay, nesterov) -> None:
         """The device-only part: one kernel over the first ``c`` device gradient buffers."""
-        ptr_arr = cp.asarray(np.array([g.data.ptr for g in self._grads[:c]], np.uint64))
+        if c not in self._pointers:
+            self._pointers[c] = cp.asarray(np.array([g.data.ptr for g in self._grads[:c]], np.uint64))
         scale_arr = cp.asarray(np.asarray(scales, np.float32))
         blocks = min(self._blocks, (self.size + _THREADS - 1) // _THREADS) or 1
         self._kernels[np.dtype(dtype)](
             (blocks,), (_THREADS,),
-            (self._w, self._w, self._v, ptr_arr, scale_arr, np.int32(c), np.float32(lr),
+            (self._w, self._v, self._pointers[c], scale_arr, np.int32(c), np.float32(lr),
              np.float32(momentum), np.float32(weight_decay), np.int32(bool(nesterov)), np.int64(self.size)),
         )
 
     @property
     def momentum(self) -> np.ndarray:
         return cp.asnumpy(self._v)
+
+    def load_momentum(self, v: np.ndarray) -> None:
+        check_momentum(v, self.size)
+        self._v.set(v)

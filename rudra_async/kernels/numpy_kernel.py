@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import Updater, check_batch
+from . import HostUpdater, check_batch
 
 BLOCK = 1 << 16
 
@@ -52,16 +52,8 @@ def apply(
         np.add(wb, ub, out=w_out[lo:hi])
 
 
-class NumpyUpdater(Updater):
+class NumpyUpdater(HostUpdater):
     name = "numpy"
-
-    def __init__(self, size: int) -> None:
-        super().__init__(size)
-        self._v = np.zeros(size, np.float32)
 
     def apply(self, w, w_out, grads, scales, lr, momentum=0.0, weight_decay=0.0, nesterov=False) -> None:
         apply(w, w_out, self._v, grads, scales, lr, momentum, weight_decay, nesterov)
-
-    @property
-    def momentum(self) -> np.ndarray:
-        return self._v

@@ -6,18 +6,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import Updater, check_batch
+from . import HostUpdater, check_batch
 
 BLOCK = 1 << 20  # 4 MiB of float32 per operand: few Python calls, still cache-friendly
 
 
-class TorchUpdater(Updater):
+class TorchUpdater(HostUpdater):
     name = "torch"
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
-        self._v_np = np.zeros(size, np.float32)
-        self._v = torch.from_numpy(self._v_np)
+        self._vt = torch.from_numpy(self._v)  # shares memory with the host momentum
         self._d = torch.empty(min(BLOCK, max(size, 1)), dtype=torch.float32)
 
     def apply(self, w, w_out, grads, scales, lr, momentum=0.0, weight_decay=0.0, nesterov=False) -> None:
@@ -27,7 +26,7 @@ class TorchUpdater(Updater):
             out.copy_(wt)
         gs = [torch.from_numpy(g) for g in grads]
         if len(gs) == 1 and scales[0] == 1.0 and gs[0].dtype == torch.float32:
-            self._step(out, gs[0], self._v, lr, momentum, weight_decay, nesterov)  # one fused call
+            self._step(out, gs[0], self._vt, lr, momentum, weight_decay, nesterov)  # one fused call
             return
         for lo in range(0, self.size, BLOCK):
             hi = min(lo + BLOCK, self.size)
@@ -39,7 +38,7 @@ class TorchUpdater(Updater):
                 d.mul_(scales[0])
             for g, s in zip(gs[1:], scales[1:]):  # in-place add computes in float32
                 d.add_(g[lo:hi], alpha=s)
-            self._step(out[lo:hi], d, self._v[lo:hi], lr, momentum, weight_decay, nesterov)
+            self._step(out[lo:hi], d, self._vt[lo:hi], lr, momentum, weight_decay, nesterov)
 
     @staticmethod
     def _step(w, d, v, lr, momentum, weight_decay, nesterov) -> None:
@@ -48,7 +47,3 @@ class TorchUpdater(Updater):
             weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0, nesterov=nesterov,
             maximize=False, is_first_step=False,
         )
-
-    @property
-    def momentum(self) -> np.ndarray:
-        return self._v_np

@@ -1,0 +1,58 @@
+"""The CUDA C source of the fused update kernel (no cupy import, so it can be compiled and
+checked on machines without a GPU: ``tests/test_cuda_source.py``).
+
+One thread per element in a grid-stride loop, in place on the master weights ``w`` and the
+momentum ``v``::
+
+    d = Σ_k scales[k] · g_k[i] + weight_decay · w[i]
+    v[i] = momentum · v[i] + d;  step = nesterov ? d + momentum · v[i] : v[i]   (if momentum)
+    w[i] -= lr · step
+
+``grads`` is an array of ``c`` device pointers; each gradient is float32 or float16 (one
+kernel variant per dtype; float16 is widened before the multiply).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_TEMPLATE = r"""
+#include <cuda_fp16.h>
+extern "C" __global__ void sgd_fold_%(name)s(
+    float* __restrict__ w, float* __restrict__ v,
+    const unsigned long long* __restrict__ grads, const float* __restrict__ scales, const int c,
+    const float lr, const float momentum, const float weight_decay, const int nesterov,
+    const long long n)
+{
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        float d = 0.0f;
+        for (int k = 0; k < c; ++k) {
+            const %(gtype)s* g = reinterpret_cast<const %(gtype)s*>(grads[k]);
+            d += scales[k] * %(load)s;
+        }
+        const float wi = w[i];
+        d += weight_decay * wi;
+        float step = d;
+        if (momentum != 0.0f) {
+            const float vi = momentum * v[i] + d;
+            v[i] = vi;
+            step = nesterov ? d + momentum * vi : vi;
+        }
+        w[i] = wi - lr * step;
+    }
+}
+"""
+
+#: gradient dtype -> (kernel name suffix, CUDA element type, element load expression)
+VARIANTS = {
+    np.dtype(np.float32): ("f32", "float", "g[i]"),
+    np.dtype(np.float16): ("f16", "__half", "__half2float(g[i])"),
+}
+
+
+def kernel_name(dtype: np.dtype) -> str:
+    return f"sgd_fold_{VARIANTS[np.dtype(dtype)][0]}"
+
+
+#: gradient dtype -> complete CUDA source of its kernel variant
+KERNEL_SOURCES = {dt: _TEMPLATE % {"name": n, "gtype": t, "load": ld} for dt, (n, t, ld) in VARIANTS.items()}
