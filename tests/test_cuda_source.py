@@ -1,8 +1,8 @@
 """The CUDA kernel source, checked without a GPU.
 
 1. Host emulation: the exact source CuPy compiles is built by the C++ compiler behind a
-   small shim (``__global__`` → nothing, ``blockIdx``/``threadIdx`` → globals, ``__half`` →
-   ``_Float16``) and launched over a small grid, one emulated thread after another. Threads
+   small shim (``__global__`` → nothing, ``blockIdx``/``threadIdx`` → globals, the PTX
+   float16 conversion → ``_Float16``) and launched over a small grid, one emulated thread after another. Threads
    of this kernel touch disjoint elements, so any order is a valid schedule; the result
    must equal ``torch.optim.SGD``. This checks the arithmetic and the grid-stride coverage,
    not CuPy's launch or copies (the ``gpu`` tests in test_kernels.py do that on a device).
@@ -21,11 +21,13 @@ from helpers import random_batches, sgd_reference
 
 SHIM = r"""
 #include <cstdint>
+#include <cstring>
+#define RUDRA_HOST_EMULATION
 struct rudra_dim3 { unsigned x; };
 static rudra_dim3 blockIdx, threadIdx, blockDim, gridDim;
 #define __global__
+static inline float rudra_h2f(unsigned short bits) { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
 """
-FAKE_FP16 = "typedef _Float16 __half;\nstatic inline float __half2float(__half h) { return (float)h; }\n"
 LAUNCHER = r"""
 extern "C" void launch(unsigned grid, unsigned block, float* w, float* v, const unsigned long long* grads,
                        const float* scales, int c, float lr, float momentum, float weight_decay, int nesterov,
@@ -47,12 +49,11 @@ def emulated(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler to build the host emulation")
     root = tmp_path_factory.mktemp("cuda_emulation")
-    (root / "cuda_fp16.h").write_text(FAKE_FP16)
     built = {}
     for dtype, source in KERNEL_SOURCES.items():
         src, lib = root / f"{kernel_name(dtype)}.cpp", root / f"{kernel_name(dtype)}.so"
         src.write_text(SHIM + source + LAUNCHER % {"kernel": kernel_name(dtype)})
-        subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-I", str(root), "-o", str(lib), str(src)], check=True)
+        subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
         fn = ctypes.CDLL(str(lib)).launch
         fn.restype = None
         fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

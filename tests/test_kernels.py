@@ -83,6 +83,21 @@ def test_momentum_snapshot_and_load_resume_the_same_run(backend):
         resumed.load_momentum(np.zeros(size, np.float64))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_are_read_from_the_buffer_given(backend):
+    """An updater must not keep using its own copy (the GPU's) when handed other weights."""
+    size = 3000
+    (g1, s1), (g2, s2) = random_batches(size, 2, 1)
+    up, numpy_up = make_updater(backend, size), make_updater("numpy", size)
+    w = np.ones(size, np.float32)
+    for u in (up, numpy_up):
+        u.apply(w.copy(), np.empty_like(w), g1, s1, 0.1, 0.9)
+    other, expected = np.full(size, 5.0, np.float32), np.full(size, 5.0, np.float32)
+    up.apply(other, other, g2, s2, 0.1, 0.9)
+    numpy_up.apply(expected, expected, g2, s2, 0.1, 0.9)
+    np.testing.assert_allclose(other, expected, rtol=1e-6)
+
+
 def test_kernel_rejects_bad_batches():
     w = np.zeros(4, np.float32)
     with pytest.raises(ValueError):

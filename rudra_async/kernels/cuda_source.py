@@ -9,14 +9,22 @@ momentum ``v``::
     w[i] -= lr · step
 
 ``grads`` is an array of ``c`` device pointers; each gradient is float32 or float16 (one
-kernel variant per dtype; float16 is widened before the multiply).
+kernel variant per dtype; float16 is widened before the multiply, by one PTX ``cvt``, so
+the source needs no CUDA headers: CuPy's wheels compile it with NVRTC alone).
 """
 from __future__ import annotations
 
 import numpy as np
 
 _TEMPLATE = r"""
-#include <cuda_fp16.h>
+#ifndef RUDRA_HOST_EMULATION
+// float16 -> float32 in PTX: no cuda_fp16.h, which CuPy wheels do not ship (NVRTC would need a toolkit's headers)
+__device__ __forceinline__ float rudra_h2f(const unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %%0, %%1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#endif
 extern "C" __global__ void sgd_fold_%(name)s(
     float* __restrict__ w, float* __restrict__ v,
     const unsigned long long* __restrict__ grads, const float* __restrict__ scales, const int c,
@@ -46,7 +54,7 @@ extern "C" __global__ void sgd_fold_%(name)s(
 #: gradient dtype -> (kernel name suffix, CUDA element type, element load expression)
 VARIANTS = {
     np.dtype(np.float32): ("f32", "float", "g[i]"),
-    np.dtype(np.float16): ("f16", "__half", "__half2float(g[i])"),
+    np.dtype(np.float16): ("f16", "unsigned short", "rudra_h2f(g[i])"),  # raw float16 bits
 }
 
 

@@ -5,7 +5,8 @@ pass, in place on the device copies.
 Gradients arrive in host memory; each is staged through a reused pinned buffer and copied
 to its own device buffer on its own stream, so the copy of gradient k+1 overlaps the copy
 of gradient k, and the kernel starts when all have landed. The new weights are copied
-back into the host buffer the server publishes for pulls.
+back into the host buffer the server publishes for pulls; the device copy is reloaded
+from ``w`` whenever ``w`` is not the buffer the previous ``apply`` wrote.
 
 Only imported when :func:`rudra_async.kernels.resolve` saw ``cupy.is_available()``.
 """
@@ -25,8 +26,8 @@ class CupyUpdater(Updater):
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
-        self._w = cp.empty(size, cp.float32)  # master weights, loaded from the host on first use
-        self._loaded = False
+        self._w = cp.empty(size, cp.float32)  # master weights
+        self._synced_with = 0  # address of the host buffer the last apply wrote (= self._w)
         self._v = cp.zeros(size, cp.float32)
         self._grads: list[cp.ndarray] = []  # device buffers, one per gradient slot, reused
         self._pinned: list[np.ndarray] = []  # pinned host staging, one per slot, reused
@@ -49,19 +50,21 @@ class CupyUpdater(Updater):
         if any(g.dtype != dtype for g in grads):
             grads = [g.astype(np.float32) for g in grads]
             dtype = np.dtype(np.float32)
-        if not self._loaded:
+        if w.ctypes.data != self._synced_with:  # the host weights are not the ones the device holds
             self._w.set(w)
-            self._loaded = True
         self._slots(len(grads))
+        kernel_done = cp.cuda.get_current_stream().record()  # a fold still reading the slots
         for k, g in enumerate(grads):
+            self._streams[k].wait_event(kernel_done)
             staging = self._pinned[k].view(np.uint8)[: g.nbytes]
-            staging[:] = g.view(np.uint8).reshape(-1)
+            staging[:] = np.ascontiguousarray(g).view(np.uint8).reshape(-1)
             dev = self._grads[k].view(cp.uint8)[: g.nbytes]
             dev.set(staging, stream=self._streams[k])
         for s in self._streams[: len(grads)]:
             s.synchronize()
         self.fold(len(grads), dtype, scales, lr, momentum, weight_decay, nesterov)
         self._w.get(out=w_out)
+        self._synced_with = w_out.ctypes.data
 
     def fold(self, c: int, dtype: np.dtype, scales, lr, momentum, weight_decay, nesterov) -> None:
         """The device-only part: one kernel over the first ``c`` device gradient buffers."""
