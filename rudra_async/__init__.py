@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 
 from .config import ServerConfig  # noqa: E402
 from .errors import (  # noqa: E402
+    CheckpointError,
     ConfigError,
     ConnectError,
     ConnectionClosed,
@@ -32,6 +33,7 @@ __all__ = [
     "ConnectionClosed",
     "PeerGone",
     "RemoteError",
+    "CheckpointError",
 ]
 
 

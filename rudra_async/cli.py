@@ -76,6 +76,9 @@ SERVER_FLAGS = [
     click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
     click.option("--lr-scale-ref-batch", type=int, default=None,
                  help="Linear scaling rule: α × (samples per update)/this, e.g. μλ/μ_ref for hardsync."),
+    click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
+                 help="Write weights, momentum and clock here (atomically) when the server stops."),
+    click.option("--checkpoint-every", type=int, default=None, help="Also write the checkpoint every this many updates."),
 ]
 
 
@@ -87,7 +90,7 @@ def server_options(f: Any) -> Any:
 
 SERVER_KEYS = ("protocol", "n", "staleness_bound", "backup", "protocol_options", "lr", "momentum", "weight_decay",
                "nesterov", "lr_policy", "mean_staleness_window", "lr_policy_options", "lr_decay_at", "lr_decay", "lr_decay_unit", "warmup",
-               "lr_scale_ref_batch", "kernel", "device")
+               "lr_scale_ref_batch", "kernel", "device", "checkpoint", "checkpoint_every")
 
 
 def pop_server_config(kwargs: dict[str, Any]) -> ServerConfig:
@@ -101,6 +104,8 @@ def pop_server_config(kwargs: dict[str, Any]) -> ServerConfig:
 @server_options
 @click.option("--samples-per-epoch", type=int, default=None, help="Training-set size, for epoch-based LR decay.")
 @click.option("--max-updates", type=int, default=None, help="End the run after this many updates.")
+@click.option("--resume", type=click.Path(dir_okay=False), default=None,
+              help="Start from this checkpoint (weights, momentum, clock) instead of the first learner's weights.")
 def server(listen: tuple[str, ...], **kwargs: Any) -> None:
     """Run a parameter server until interrupted. Weights come from the first learner's hello."""
     from .server import ParameterServer
@@ -110,10 +115,10 @@ def server(listen: tuple[str, ...], **kwargs: Any) -> None:
         async with ParameterServer(cfg) as ps:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(ps.close()))
+                loop.add_signal_handler(sig, ps.request_close)
             click.echo(f"listening on {' '.join(ps.addresses)}", err=True)
             await ps.serve()
-            click.echo(json.dumps(ps.stats()), err=True)
+        click.echo(json.dumps(ps.stats()), err=True)  # after close: includes the final checkpoint
 
     try:
         run_loop(serve())

@@ -21,7 +21,9 @@ class ServerConfig:
     ``protocol`` with ``n`` (softsync), ``staleness_bound`` (bounded), ``backup``
     (backup), or ``protocol_options`` for a plugin. LR: ``lr_policy`` and the schedule
     fields. ``max_updates`` ends the run: once the clock reaches it, replies carry
-    ``stop`` and further gradients are refused with ``stopped``.
+    ``stop`` and further gradients are refused with ``stopped``. Checkpoints: written to
+    ``checkpoint`` every ``checkpoint_every`` updates and when the server closes; ``resume``
+    names a checkpoint to start from (weights, momentum, clock, samples).
     """
 
     listen: list[str] = field(default_factory=lambda: [DEFAULT_LISTEN])
@@ -47,6 +49,9 @@ class ServerConfig:
     max_frame: int = DEFAULT_MAX_BODY
     kernel: str = "auto"
     device: str = "auto"
+    checkpoint: str | None = None
+    checkpoint_every: int | None = None
+    resume: str | None = None
 
     def validate(self) -> "ServerConfig":
         if not self.listen:
@@ -63,6 +68,8 @@ class ServerConfig:
             raise ConfigError(f"max updates must be >= 1, got {self.max_updates}")
         if self.max_frame < 1024:
             raise ConfigError(f"max frame must be at least 1024 bytes, got {self.max_frame}")
+        if self.checkpoint_every is not None and (self.checkpoint_every < 1 or not self.checkpoint):
+            raise ConfigError(f"--checkpoint-every needs --checkpoint and a value >= 1, got {self.checkpoint_every}")
         if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
             raise ConfigError(f"samples per epoch must be >= 1, got {self.samples_per_epoch}")
         if self.lr_decay_unit == "epochs" and self.lr_decay_at and not self.samples_per_epoch:

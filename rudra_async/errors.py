@@ -81,5 +81,11 @@ class ConnectError(TransportError):
     code = "connect"
 
 
+class CheckpointError(RudraError):
+    """A checkpoint cannot be written, or a file is not a complete, intact checkpoint."""
+
+    code = "bad_checkpoint"
+
+
 class RemoteError(RudraError):
     """The server answered a request with an error message; ``code`` is its stable code."""

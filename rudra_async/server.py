@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import __version__, kernels, registry, transports
+from . import __version__, checkpoint, kernels, registry, transports
 from .config import ServerConfig
-from .errors import ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
+from .errors import CheckpointError, ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
 from .layout import Layout
 from .lr import LRPolicy, Schedule
 from .stats import StalenessHistogram
@@ -32,6 +32,17 @@ from .transports.base import Connection, Listener
 from .wire import Frame, Limits, MsgType
 
 log = logging.getLogger(__name__)
+
+
+def _check_writable(path: str) -> None:
+    """Fail at start, not hours into a run, when checkpoints cannot be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"checkpoint directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"checkpoint directory {directory} is not writable")
+    if os.path.isdir(path):
+        raise ConfigError(f"checkpoint path {path} is a directory; give a file name")
 
 
 @dataclass
@@ -106,6 +117,18 @@ class ParameterServer:
         self.update_seconds = 0.0  # time spent in the update kernel
         self.first_update_at: float | None = None
         self.last_update_at: float | None = None
+        self.checkpoints: dict[str, Any] = {"path": cfg.checkpoint, "written": 0, "failed": 0, "clock": None}
+        self._last_checkpoint: tuple[str, int] | None = None  # (path, clock) of the newest on disk
+        self._checkpointing: asyncio.Future[None] | None = None
+        self._checkpoint_due = False
+        self._store_closed = False
+        self._shutdown: asyncio.Future[None] | None = None
+        if cfg.resume is not None:
+            if initial is not None:
+                raise ConfigError("give the server initial weights or a checkpoint to resume from, not both")
+            self._restore(cfg.resume)
+        if cfg.checkpoint:
+            _check_writable(cfg.checkpoint)
         self._next_id = 0
         self._listeners: list[Listener] = []
         self._closed: asyncio.Event | None = None
@@ -134,16 +157,30 @@ class ParameterServer:
         assert self._closed is not None
         await self._closed.wait()
 
-    async def close(self) -> None:
-        """Stop listening and drop every connection. Idempotent."""
+    def request_close(self) -> None:
+        """Make :meth:`serve` return (e.g. from a signal handler); the owner then awaits :meth:`close`."""
         if self._closed is not None:
             self._closed.set()
         self._notify()
+
+    async def close(self) -> None:
+        """Stop listening, drop every connection, write the final checkpoint if one is
+        configured (a failure to write it is raised). Idempotent; concurrent calls share one shutdown."""
+        self.request_close()
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self._shut_down())
+        await asyncio.shield(self._shutdown)
+
+    async def _shut_down(self) -> None:
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
-        if self.store is not None:
-            self.store.close()
+        try:
+            await self._final_checkpoint()
+        finally:
+            self._store_closed = True
+            if self.store is not None:
+                self.store.close()
 
     async def __aenter__(self) -> "ParameterServer":
         await self.start()
@@ -204,8 +241,80 @@ class ParameterServer:
                 for i, l in self.learners.items()
             },
             "rejected": dict(self.rejected),
+            "checkpoint": dict(self.checkpoints),
             "loss_curve": loss_curve(self.losses),
         }
+
+    # -- checkpoints --------------------------------------------------------------------------
+    async def checkpoint(self, path: str | None = None) -> int:
+        """Write a checkpoint now, to ``path`` or the configured one; returns its clock.
+
+        The published weights are leased while the file is written in a thread (updates go on
+        into a spare buffer), so only the momentum is copied."""
+        store = self.store
+        target = path or self.config.checkpoint
+        if store is None or self._store_closed:
+            raise RudraError("the server has no weights to checkpoint", code="no_weights")
+        if not target:
+            raise ConfigError("no checkpoint path: pass one or configure --checkpoint")
+        with store.lease() as (clock, weights):
+            state = checkpoint.Checkpoint(store.layout, clock, weights, store.updater.momentum, self.samples_seen,
+                                          self._checkpoint_info())
+            await asyncio.to_thread(checkpoint.save, target, state)
+        self._last_checkpoint = (target, clock)
+        self.checkpoints.update(written=self.checkpoints["written"] + 1, clock=clock)
+        log.info("checkpoint of update %d written to %s", clock, target)
+        return clock
+
+    def _checkpoint_info(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"server": f"rudra-async {__version__}", "protocol": self.protocol.describe(), "kernel": self.kernel,
+                "lr": cfg.lr, "lr_policy": cfg.lr_policy, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+                "nesterov": cfg.nesterov}
+
+    def _restore(self, path: str) -> None:
+        state = checkpoint.load(path)
+        self.store = WeightStore(state.layout, state.weights, self.kernel, *self._shared_memory())
+        self.store.clock = state.clock
+        self.protocol.start_at(state.clock)
+        self.store.updater.load_momentum(state.momentum)
+        self.samples_seen = state.samples
+        self._last_checkpoint = (path, state.clock)
+        log.info("resumed from %s: update %d, %d parameters", path, state.clock, state.layout.size)
+
+    def _maybe_checkpoint(self) -> None:
+        """After an update: start a periodic checkpoint when one is due. At most one is written
+        at a time; one falling due meanwhile is written (with the newest state) right after."""
+        every = self.config.checkpoint_every
+        if not every or self.clock % every:
+            return
+        if self._checkpointing is not None and not self._checkpointing.done():
+            self._checkpoint_due = True
+            return
+        self._checkpointing = asyncio.ensure_future(self._periodic_checkpoints())
+
+    async def _periodic_checkpoints(self) -> None:
+        self._checkpoint_due = True
+        while self._checkpoint_due and not self.closing:
+            self._checkpoint_due = False
+            try:
+                await self.checkpoint()
+            except RudraError as exc:
+                self.checkpoints["failed"] += 1
+                log.error("%s (training goes on)", exc)
+
+    async def _final_checkpoint(self) -> None:
+        """On close: wait for a periodic checkpoint in flight, then write the final state
+        unless the newest file already holds it. A failure here is raised."""
+        if self._checkpointing is not None:
+            await self._checkpointing
+        path = self.config.checkpoint
+        if path and self.store is not None and self._last_checkpoint != (path, self.clock):
+            try:
+                await self.checkpoint()
+            except CheckpointError:
+                self.checkpoints["failed"] += 1
+                raise
 
     # -- waiting ------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -244,6 +353,8 @@ class ParameterServer:
             self.learners[g.learner].dropped += 1
         if decision.updates or decision.dropped:
             self._notify()
+        if decision.updates:
+            self._maybe_checkpoint()
 
     def _apply_batch(self, batch: list[Gradient]) -> None:
         store = self.store

@@ -58,6 +58,12 @@ class SyncProtocol:
     def describe(self) -> dict[str, Any]:
         return {"protocol": self.name}
 
+    def start_at(self, clock: int) -> None:
+        """Continue the update clock from ``clock`` (a run resumed from a checkpoint)."""
+        if self.members:
+            raise RuntimeError("the clock can only be set before any learner joins")
+        self.clock = clock
+
     # -- events ---------------------------------------------------------------------------
     def join(self, learner: int) -> Decision:
         self.members.add(learner)
@@ -172,8 +178,8 @@ class Hardsync(SyncProtocol):
         return len(self.round)
 
     def join(self, learner: int) -> Decision:
-        if self.round is not None or self.clock > 0:
-            self.joined_at[learner] = self.clock  # wait for this round to finish
+        if self.round is not None:
+            self.joined_at[learner] = self.clock  # wait for the round in progress to finish
         return super().join(learner)
 
     def pull_floor(self, learner: int) -> int:

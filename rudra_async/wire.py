@@ -49,6 +49,7 @@ class MsgType(enum.IntEnum):
     ACK = 6
     ERROR = 7
     BYE = 8
+    CHECKPOINT = 9  # a checkpoint file (rudra_async.checkpoint); never sent on a connection
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 import asyncio
 import contextlib
 import os
+import socket
 import sys
+import time
 
 import numpy as np
 
@@ -56,6 +58,26 @@ def subprocess_env() -> dict:
 
 
 PYTHON = sys.executable
+CLI_ARGS = [PYTHON, "-m", "rudra_async"]  # the rudra-async command of this interpreter
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, timeout: float = 30.0) -> None:
+    """Return once something accepts TCP connections on 127.0.0.1:port."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def sgd_reference(w0, batches, lr, momentum, weight_decay, nesterov):

@@ -3,20 +3,13 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import subprocess_env
+from helpers import CLI_ARGS, free_port, subprocess_env, wait_listening
 
-CLI = [sys.executable, "-m", "rudra_async"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+CLI = CLI_ARGS
 
 
 def run_cli(*args, timeout=120):
@@ -56,13 +49,7 @@ def test_server_and_learners_in_separate_processes():
     server = subprocess.Popen([*CLI, "server", "--listen", url, "--max-updates", "40"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # wait until it accepts connections
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_listening(port)
         learners = [subprocess.Popen([*CLI, "learner", "--connect", url, "--index", str(i), "--json"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
                     for i in range(2)]

@@ -97,6 +97,33 @@ def test_hardsync_joiner_waiting_when_the_whole_round_leaves():
     assert learners_of(p.push(Gradient(1, 1)).updates) == [[1]]
 
 
+def test_hardsync_newcomer_after_everyone_left_starts_at_once():
+    p = members(Hardsync(), 0)
+    p.push(Gradient(0, 0))
+    p.leave(0)
+    p.join(1)
+    p.leave(1)  # the round of {1} loses its only participant
+    p.join(2)
+    assert p.pull_floor(2) < p.clock  # not waiting for a round nobody will finish
+    assert learners_of(p.push(Gradient(2, p.clock)).updates) == [[2]]
+
+
+@pytest.mark.parametrize("make", [Async, lambda: Softsync(2), Hardsync, lambda: Backup(1), lambda: Bounded(2)])
+def test_every_protocol_continues_from_a_resumed_clock(make):
+    p = make()
+    p.start_at(40)
+    members(p, 0, 1)
+    assert p.pull_floor(0) < 40 and p.pull_floor(1) < 40  # the resumed weights may be pulled
+    for learner in (0, 1):
+        p.pulled(learner, 40)
+    updates = []
+    for learner in (0, 1):
+        updates += p.push(Gradient(learner, 40)).updates
+    assert updates and p.clock == 40 + len(updates)
+    with pytest.raises(RuntimeError, match="before any learner"):
+        p.start_at(0)
+
+
 def test_backup_updates_after_lambda_minus_b_and_counts_drops():
     p = members(Backup(1), 0, 1, 2, 3)
     p.push(Gradient(0, 0))

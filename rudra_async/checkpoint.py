@@ -1,0 +1,163 @@
+"""Checkpoints: a server's weights, momentum and clock in one file, written atomically.
+
+A checkpoint file is one frame of the wire format (``docs/wire.md``) of type CHECKPOINT
+(9): the 24-byte header, a msgpack metadata map, then two float32 segments, the weights and
+the momentum, each ``layout.size`` values. Metadata keys: ``format`` (1), ``clock``,
+``layout`` (as in HELLO), ``samples``, ``crc32`` (of each segment's bytes), ``saved_at``
+(Unix time) and ``info`` (free-form: the server's settings, for people reading the file).
+
+:func:`save` writes to a temporary file in the same directory, fsyncs it and renames it over
+the target, so a crash at any moment leaves either the old or the new checkpoint, never a
+mix. :func:`load` refuses a file that is not a checkpoint, is truncated or fails its CRC,
+with a :class:`~rudra_async.errors.CheckpointError` that says which.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from .errors import CheckpointError, RudraError
+from .layout import Layout
+from .wire import HEADER_SIZE, Limits, MsgType, decode_meta, encode_frame, parse_segments, unpack_header
+
+FORMAT = 1
+_LIMITS = Limits(max_body=1 << 62)  # a checkpoint holds two full copies of the model
+
+
+@dataclass
+class Checkpoint:
+    """The state a server resumes from. ``weights`` and ``momentum`` are flat float32."""
+
+    layout: Layout
+    clock: int
+    weights: np.ndarray
+    momentum: np.ndarray
+    samples: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    saved_at: float = 0.0
+
+
+def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` to ``path`` atomically (blocking; servers call it from a thread).
+    The arrays are written from their own memory, without copies."""
+    path = os.fspath(path)
+    arrays = [np.ascontiguousarray(a, np.float32).reshape(-1) for a in (ckpt.weights, ckpt.momentum)]
+    if any(a.size != ckpt.layout.size for a in arrays):
+        raise CheckpointError(f"weights and momentum must have {ckpt.layout.size} values each")
+    meta = {
+        "format": FORMAT,
+        "clock": int(ckpt.clock),
+        "layout": ckpt.layout.to_wire(),
+        "samples": int(ckpt.samples),
+        "crc32": [zlib.crc32(a.view(np.uint8)) for a in arrays],
+        "saved_at": time.time(),
+        "info": ckpt.info,
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        with open(fd, "wb") as f:
+            for buf in encode_frame(MsgType.CHECKPOINT, meta, arrays, _LIMITS):
+                f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp made it 0600; give it the permissions open() would
+        os.replace(tmp, path)
+        _fsync_directory(directory)
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
+
+
+def load(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read and verify a checkpoint written by :func:`save`."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            return _read(f, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+
+
+def _read(f: BinaryIO, path: str) -> Checkpoint:
+    size = os.fstat(f.fileno()).st_size
+    try:
+        header = unpack_header(f.read(HEADER_SIZE), _LIMITS)
+    except RudraError as exc:
+        raise CheckpointError(f"{path} is not a rudra-async checkpoint ({exc})") from None
+    if header.msg_type != MsgType.CHECKPOINT:
+        raise CheckpointError(f"{path} is a rudra-async frame of type {header.msg_type}, not a checkpoint")
+    expected = HEADER_SIZE + header.meta_len + header.body_len
+    if size != expected:
+        raise CheckpointError(f"{path} is truncated or padded: {size} bytes, the header says {expected}")
+    try:
+        meta = decode_meta(f.read(header.meta_len))
+        specs = parse_segments(meta, header.body_len)
+        layout = Layout.from_wire(meta.get("layout"))
+    except RudraError as exc:
+        raise CheckpointError(f"{path} has bad metadata: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}; this version reads {FORMAT}")
+    if [(s.dtype.str, s.shape) for s in specs] != [("<f4", (layout.size,))] * 2:
+        raise CheckpointError(f"{path} must hold two float32 segments of {layout.size} values")
+    arrays = [np.empty(layout.size, np.float32) for _ in specs]
+    for a, crc in zip(arrays, _list(meta, "crc32", 2)):
+        _read_exactly(f, memoryview(a.view(np.uint8)))
+        if zlib.crc32(a.view(np.uint8)) != crc:
+            raise CheckpointError(f"{path} is corrupt: a segment fails its CRC-32 check")
+    clock, samples = _int(meta, "clock"), _int(meta, "samples")
+    info = meta.get("info") if isinstance(meta.get("info"), dict) else {}
+    return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, float(meta.get("saved_at", 0.0)))
+
+
+def _int(meta: dict[str, Any], key: str) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"checkpoint metadata {key!r} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _list(meta: dict[str, Any], key: str, n: int) -> list[int]:
+    value = meta.get(key)
+    if not isinstance(value, list) or len(value) != n or not all(isinstance(v, int) for v in value):
+        raise CheckpointError(f"checkpoint metadata {key!r} must be a list of {n} integers, got {value!r}")
+    return value
+
+
+def _read_exactly(f: BinaryIO, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])  # type: ignore[attr-defined]
+        if not n:
+            raise CheckpointError("checkpoint ended early")
+        done += n
+
+
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once at import: os.umask cannot be read without setting it
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+

@@ -1,0 +1,241 @@
+"""Checkpoints: the file format refuses anything incomplete, and a server resumed from a
+checkpoint continues exactly where the checkpointed one was (weights, momentum, clock)."""
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from rudra_async import CheckpointError, ConfigError, ParameterServer, ServerConfig
+from rudra_async import checkpoint as ckpt
+from rudra_async.client import Client
+from rudra_async.wire import MsgType, encode_frame
+
+from helpers import (CLI_ARGS, free_port, initial_weights, random_batches, run_server, small_layout, subprocess_env,
+                     wait_listening)
+
+SGD = dict(protocol="async", lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
+
+
+def sample_checkpoint(clock=7):
+    layout = small_layout()
+    rng = np.random.default_rng(clock)
+    return ckpt.Checkpoint(layout, clock, rng.standard_normal(layout.size).astype(np.float32),
+                           rng.standard_normal(layout.size).astype(np.float32), samples=123, info={"lr": 0.05})
+
+
+def test_round_trip_and_no_temporary_left(tmp_path):
+    path = tmp_path / "run.ckpt"
+    state = sample_checkpoint()
+    ckpt.save(path, state)
+    ckpt.save(path, sample_checkpoint(clock=8))  # replaces atomically
+    back = ckpt.load(path)
+    assert (back.clock, back.samples, back.info, back.layout) == (8, 123, {"lr": 0.05}, state.layout)
+    np.testing.assert_array_equal(back.weights, sample_checkpoint(clock=8).weights)
+    np.testing.assert_array_equal(back.momentum, sample_checkpoint(clock=8).momentum)
+    assert os.listdir(tmp_path) == ["run.ckpt"]
+
+
+def test_concurrent_saves_leave_one_whole_file(tmp_path):
+    path = tmp_path / "run.ckpt"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda clock: ckpt.save(path, sample_checkpoint(clock)), range(1, 9)))
+    back = ckpt.load(path)
+    np.testing.assert_array_equal(back.weights, sample_checkpoint(back.clock).weights)
+    assert os.listdir(tmp_path) == ["run.ckpt"]
+
+
+def corrupt(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "flip a body byte":
+        data[-5] ^= 0xFF
+    elif how == "cut in the header":
+        data = data[:10]
+    elif how == "cut in the metadata":
+        data = data[:40]
+    elif how == "cut in the body":
+        data = data[:-3]
+    elif how == "padded":
+        data += b"\0"
+    elif how == "not rudra":
+        data = b"PK\x03\x04" + data[4:]
+    elif how == "empty":
+        data = b""
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, message", [
+    ("flip a body byte", "fails its CRC-32"),
+    ("cut in the header", "not a rudra-async checkpoint"),
+    ("cut in the metadata", "truncated"),
+    ("cut in the body", "truncated"),
+    ("padded", "padded"),
+    ("not rudra", "bad magic"),
+    ("empty", "not a rudra-async checkpoint"),
+])
+def test_damaged_files_are_refused_with_the_reason(tmp_path, how, message):
+    path = tmp_path / "run.ckpt"
+    ckpt.save(path, sample_checkpoint())
+    corrupt(path, how)
+    with pytest.raises(CheckpointError, match=message):
+        ckpt.load(path)
+
+
+def test_other_files_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot read checkpoint .*No such file"):
+        ckpt.load(tmp_path / "missing.ckpt")
+    frame = tmp_path / "frame.bin"
+    frame.write_bytes(b"".join(bytes(b) for b in encode_frame(MsgType.PUSH, {"timestamp": 0})))
+    with pytest.raises(CheckpointError, match="type 3, not a checkpoint"):
+        ckpt.load(frame)
+    state = sample_checkpoint()
+    wrong = tmp_path / "wrong.ckpt"
+    wrong.write_bytes(b"".join(bytes(b) for b in encode_frame(
+        MsgType.CHECKPOINT, {"format": 99, "clock": 1, "layout": state.layout.to_wire(), "crc32": [0, 0]},
+        [state.weights, state.momentum])))
+    with pytest.raises(CheckpointError, match="format 99"):
+        ckpt.load(wrong)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+        ckpt.save(tmp_path / "no-such-dir" / "x.ckpt", state)
+
+
+async def push_sequence(ps, grads, initial=None):
+    """One learner pushing the given gradients in order, each on the newest weights (σ = 0)."""
+    client = await Client.connect(ps.addresses[0], small_layout(), initial)
+    w = await client.pull()
+    for g in grads:
+        w = await client.push_pull(g, w.timestamp)
+    await client.close()
+    return w.array.copy()
+
+
+async def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    grads = [g[0] for g, _ in random_batches(small_layout().size, 20, 1)]
+    w0 = initial_weights(small_layout())
+    async with run_server(**SGD) as ps:
+        uninterrupted = await push_sequence(ps, grads, w0)
+    path = str(tmp_path / "run.ckpt")
+    async with run_server(**SGD, checkpoint=path) as ps:
+        await push_sequence(ps, grads[:12], w0)
+    assert ckpt.load(path).clock == 12  # written at close
+    async with run_server(**SGD, resume=path) as ps:
+        assert ps.clock == 12
+        resumed = await push_sequence(ps, grads[12:], np.zeros_like(w0))  # its initial weights are ignored
+        assert ps.stats()["updates"] == 20
+    np.testing.assert_array_equal(resumed, uninterrupted)  # bit for bit: the momentum came back too
+
+
+async def test_periodic_checkpoints_hold_the_weights_of_their_update(tmp_path):
+    """Written every 3 updates while pushes go on; each file is the state at its own clock."""
+    path = tmp_path / "run.ckpt"
+    grads = [g[0] for g, _ in random_batches(small_layout().size, 10, 1)]
+    seen = {}
+    async with run_server(**SGD, checkpoint=str(path), checkpoint_every=3) as ps:
+        client = await Client.connect(ps.addresses[0], small_layout(), initial_weights(small_layout()))
+        w = await client.pull()
+        for g in grads:
+            w = await client.push_pull(g, w.timestamp)
+            seen[w.timestamp] = w.array.copy()
+            if ps._checkpointing is not None:
+                await ps._checkpointing  # let this one land before the next may start
+                state = ckpt.load(path)
+                np.testing.assert_array_equal(state.weights, seen[state.clock])
+                assert state.clock % 3 == 0
+        await client.close()
+        assert ps.stats()["checkpoint"]["written"] == 3  # 3, 6, 9
+    assert ckpt.load(path).clock == 10  # and the final one at close
+
+
+async def test_a_failing_checkpoint_does_not_stop_training_but_close_reports_it(tmp_path):
+    directory = tmp_path / "ckpts"
+    directory.mkdir()
+    grads = [g[0] for g, _ in random_batches(small_layout().size, 6, 1)]
+    ps = ParameterServer(ServerConfig(listen=["tcp://127.0.0.1:0"], **SGD, checkpoint=str(directory / "run.ckpt"),
+                                      checkpoint_every=2))
+    await ps.start()
+    try:
+        shutil.rmtree(directory)  # e.g. a volume that went away
+        await push_sequence(ps, grads, initial_weights(small_layout()))
+        assert ps.clock == 6
+        assert ps.stats()["checkpoint"]["failed"] >= 1 and ps.stats()["checkpoint"]["written"] == 0
+    finally:
+        with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+            await ps.close()
+
+
+def test_bad_checkpoint_settings_fail_before_serving(tmp_path):
+    with pytest.raises(ConfigError, match="--checkpoint-every needs --checkpoint"):
+        ParameterServer(ServerConfig(checkpoint_every=5))
+    with pytest.raises(ConfigError, match="does not exist"):
+        ParameterServer(ServerConfig(checkpoint=str(tmp_path / "nope" / "x.ckpt")))
+    with pytest.raises(ConfigError, match="is a directory"):
+        ParameterServer(ServerConfig(checkpoint=str(tmp_path)))
+    with pytest.raises(CheckpointError, match="No such file"):
+        ParameterServer(ServerConfig(resume=str(tmp_path / "missing.ckpt")))
+    ckpt.save(tmp_path / "ok.ckpt", sample_checkpoint())
+    with pytest.raises(ConfigError, match="not both"):
+        ParameterServer(ServerConfig(resume=str(tmp_path / "ok.ckpt")), initial={"w": np.zeros(3, np.float32)})
+
+
+async def test_a_learner_with_another_model_cannot_join_a_resumed_server(tmp_path):
+    ckpt.save(tmp_path / "ok.ckpt", sample_checkpoint())
+    from rudra_async.errors import RemoteError
+    from rudra_async.layout import Layout
+
+    async with run_server(resume=str(tmp_path / "ok.ckpt")) as ps:
+        with pytest.raises(RemoteError) as info:
+            await Client.connect(ps.addresses[0], Layout.from_shapes([("w", (5,))]))
+        assert info.value.code == "layout_mismatch"
+
+
+def test_killed_server_resumes_from_its_last_periodic_checkpoint(tmp_path):
+    """Real processes: a server checkpointing every 10 updates is SIGKILLed mid-run; a new one
+    resumes from the file, a learner continues, and SIGTERM writes the final checkpoint."""
+    path = tmp_path / "run.ckpt"
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    env = subprocess_env()
+
+    def server(*extra):
+        proc = subprocess.Popen([*CLI_ARGS, "server", "--listen", url, *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+        wait_listening(port)
+        return proc
+
+    def learner(steps):
+        out = subprocess.run([*CLI_ARGS, "learner", "--connect", url, "--steps", str(steps), "--json"],
+                             capture_output=True, text=True, timeout=120, env=env)
+        return out
+
+    first = server("--checkpoint", str(path), "--checkpoint-every", "10")
+    try:
+        assert learner(35).returncode == 0
+        deadline = time.monotonic() + 30
+        while not (path.exists() and ckpt.load(path).clock >= 30):  # the one due at 30 may still be landing
+            assert time.monotonic() < deadline, "no checkpoint of update 30"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)  # no final checkpoint: the periodic one must do
+        first.communicate(timeout=30)
+    finally:
+        first.kill()
+    state = ckpt.load(path)
+    assert 30 <= state.clock <= 35  # 30, or later if one fell due while the one before was being written
+    assert state.samples == state.clock * 32
+    second = server("--resume", str(path), "--checkpoint", str(path))
+    try:
+        assert learner(5).returncode == 0
+        second.send_signal(signal.SIGTERM)
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 0, err
+    finally:
+        second.kill()
+    stats = json.loads(err.strip().splitlines()[-1])
+    assert stats["updates"] == state.clock + 5 and stats["checkpoint"]["clock"] == state.clock + 5
+    final = ckpt.load(path)
+    assert final.clock == state.clock + 5 and final.samples == final.clock * 32
+    assert not np.array_equal(final.weights, state.weights)
