@@ -137,6 +137,8 @@ def server(listen: tuple[str, ...], **kwargs: Any) -> None:
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads for this learner.")
 @click.option("--name", default=None)
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Connect timeout in seconds.")
+@click.option("--reconnect", type=float, default=0.0, show_default=True,
+              help="If the server is lost, keep trying to reach it (e.g. restarted with --resume) for this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON line.")
 def learner(as_json: bool, **kwargs: Any) -> None:
     """Run one PyTorch learner against a server."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import transports
-from .errors import RemoteError, RudraError
+from .errors import RemoteError, RudraError, TransportError
 from .eventloop import new_runner
 from .layout import Layout
 from .transports.base import Connection
@@ -158,11 +159,31 @@ class SyncClient:
 
     def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
         self._runner = new_runner()
+        self._connect_args = (url, layout, initial, kwargs)
         try:
             self._client = self._runner.run(Client.connect(url, layout, initial, **kwargs))
         except BaseException:
             self._runner.close()
             raise
+
+    def reconnect(self, within: float, retry_every: float = 0.5) -> None:
+        """After losing the server: connect and say hello again, retrying until ``within``
+        seconds have passed (then the last error is raised). The weights buffer is kept;
+        ``initial`` is sent again (a restarted server without weights starts from it).
+        The learner id may change; pull before pushing again."""
+        url, layout, initial, kwargs = self._connect_args
+        buffer = self._client.weights
+        self._runner.run(self._client.close())
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                self._client = self._runner.run(Client.connect(url, layout, initial, **kwargs))
+                break
+            except TransportError:
+                if time.monotonic() + retry_every > deadline:
+                    raise
+                time.sleep(retry_every)
+        self._client.weights = buffer
 
     @property
     def learner_id(self) -> int:

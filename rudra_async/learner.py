@@ -18,7 +18,7 @@ from torch import nn
 from . import data as datasets
 from . import models
 from .client import SyncClient
-from .errors import RemoteError
+from .errors import RemoteError, TransportError
 from .layout import Layout
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class LearnerConfig:
     threads: int = 1
     name: str | None = None
     timeout: float = 10.0
+    reconnect: float = 0.0  # seconds to keep trying to reach a lost server (0: fail at once)
 
 
 def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
@@ -92,7 +93,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     rng = np.random.default_rng([cfg.seed, cfg.index])
     batches = datasets.minibatches(len(y_train), cfg.batch_size, rng)
     started = time.monotonic()
-    steps, loss_value = 0, float("nan")
+    steps, loss_value, reconnects = 0, float("nan"), 0
     with SyncClient(cfg.connect, flat.layout, flat.weights.numpy(), name=cfg.name, timeout=cfg.timeout) as client:
         client.set_weights_buffer(flat.weights.numpy())
         w = client.pull()
@@ -108,12 +109,21 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                 if exc.code == "stopped":
                     break
                 raise
+            except TransportError as exc:
+                if not cfg.reconnect:
+                    raise
+                log.warning("lost the server (%s); reconnecting for up to %g s", exc, cfg.reconnect)
+                client.reconnect(cfg.reconnect)  # this gradient is lost with the connection
+                reconnects += 1
+                w = client.pull()
+                continue
             steps += 1
         learner_id = client.learner_id
     accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
     return {
         "learner_id": learner_id,
         "steps": steps,
+        "reconnects": reconnects,
         "last_loss": loss_value,
         "test_accuracy": accuracy,
         "wall_s": time.monotonic() - started,

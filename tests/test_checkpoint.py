@@ -1,5 +1,6 @@
 """Checkpoints: the file format refuses anything incomplete, and a server resumed from a
 checkpoint continues exactly where the checkpointed one was (weights, momentum, clock)."""
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -193,9 +194,11 @@ async def test_a_learner_with_another_model_cannot_join_a_resumed_server(tmp_pat
         assert info.value.code == "layout_mismatch"
 
 
-def test_killed_server_resumes_from_its_last_periodic_checkpoint(tmp_path):
-    """Real processes: a server checkpointing every 10 updates is SIGKILLed mid-run; a new one
-    resumes from the file, a learner continues, and SIGTERM writes the final checkpoint."""
+def test_killed_server_resumes_from_its_checkpoint_and_the_learner_reconnects(tmp_path):
+    """Real processes: a learner (--reconnect) trains against a server checkpointing every
+    10 updates; the server is SIGKILLed; a new one resumes from the file; the same learner
+    process reconnects and trains on until the new server's --max-updates; SIGTERM then
+    writes the final checkpoint."""
     path = tmp_path / "run.ckpt"
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
@@ -207,35 +210,51 @@ def test_killed_server_resumes_from_its_last_periodic_checkpoint(tmp_path):
         wait_listening(port)
         return proc
 
-    def learner(steps):
-        out = subprocess.run([*CLI_ARGS, "learner", "--connect", url, "--steps", str(steps), "--json"],
-                             capture_output=True, text=True, timeout=120, env=env)
-        return out
-
     first = server("--checkpoint", str(path), "--checkpoint-every", "10")
+    learner = subprocess.Popen([*CLI_ARGS, "learner", "--connect", url, "--reconnect", "60", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    second = None
     try:
-        assert learner(35).returncode == 0
-        deadline = time.monotonic() + 30
-        while not (path.exists() and ckpt.load(path).clock >= 30):  # the one due at 30 may still be landing
+        deadline = time.monotonic() + 60
+        while not (path.exists() and ckpt.load(path).clock >= 30):
             assert time.monotonic() < deadline, "no checkpoint of update 30"
+            assert learner.poll() is None, learner.communicate()
             time.sleep(0.05)
         first.send_signal(signal.SIGKILL)  # no final checkpoint: the periodic one must do
         first.communicate(timeout=30)
-    finally:
-        first.kill()
-    state = ckpt.load(path)
-    assert 30 <= state.clock <= 35  # 30, or later if one fell due while the one before was being written
-    assert state.samples == state.clock * 32
-    second = server("--resume", str(path), "--checkpoint", str(path))
-    try:
-        assert learner(5).returncode == 0
+        state = ckpt.load(path)
+        assert state.clock >= 30 and state.samples == state.clock * 32
+        second = server("--resume", str(path), "--checkpoint", str(path), "--max-updates", str(state.clock + 50))
+        out, err = learner.communicate(timeout=120)
+        assert learner.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["reconnects"] == 1
         second.send_signal(signal.SIGTERM)
         _, err = second.communicate(timeout=30)
         assert second.returncode == 0, err
     finally:
-        second.kill()
+        for proc in (first, learner, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     stats = json.loads(err.strip().splitlines()[-1])
-    assert stats["updates"] == state.clock + 5 and stats["checkpoint"]["clock"] == state.clock + 5
+    assert stats["updates"] == state.clock + 50 and stats["checkpoint"]["clock"] == state.clock + 50
     final = ckpt.load(path)
-    assert final.clock == state.clock + 5 and final.samples == final.clock * 32
+    assert final.clock == state.clock + 50 and final.samples == final.clock * 32
     assert not np.array_equal(final.weights, state.weights)
+
+
+async def test_a_learner_without_reconnect_stops_with_a_clear_error_when_the_server_is_lost():
+    async with run_server() as ps:
+        learner = await asyncio.create_subprocess_exec(
+            *CLI_ARGS, "learner", "--connect", ps.addresses[0], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=subprocess_env())
+        try:
+            deadline = time.monotonic() + 60
+            while ps.clock < 20:
+                assert time.monotonic() < deadline and learner.returncode is None
+                await asyncio.sleep(0.05)
+        except BaseException:
+            learner.kill()
+            raise
+    _, err = await asyncio.wait_for(learner.communicate(), 60)  # the server is gone now
+    assert learner.returncode == 2 and b"error: " in err and b"Traceback" not in err
