@@ -189,6 +189,23 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
 
 
 @main.command()
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.option("--model", default="mlp", show_default=True, help="The model the checkpoint was trained with.")
+@click.option("--dataset", default="digits", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
+def evaluate(checkpoint: str, model: str, dataset: str, as_json: bool) -> None:
+    """Test accuracy of the weights in a checkpoint (written with --checkpoint)."""
+    from .learner import evaluate_checkpoint
+
+    try:
+        out = evaluate_checkpoint(checkpoint, model, dataset)
+    except RudraError as exc:
+        _fail(exc)
+    click.echo(json.dumps(out) if as_json else
+               f"{checkpoint}: update {out['clock']}, test accuracy {out['test_accuracy']:.4f}, loss {out['test_loss']:.4f}")
+
+
+@main.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @click.option("--output", "-o", default=None, help="Directory for results.jsonl and the report (default: the spec's).")
 @click.option("--no-report", is_flag=True, help="Only run the points.")

@@ -18,7 +18,7 @@ from torch import nn
 from . import data as datasets
 from . import models
 from .client import SyncClient
-from .errors import RemoteError, TransportError
+from .errors import ConfigError, RemoteError, TransportError
 from .layout import Layout
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,23 @@ def evaluate(module: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, fl
     acc = (logits.argmax(1) == target).float().mean().item()
     module.train(was_training)
     return acc, loss
+
+
+def evaluate_checkpoint(path: str, model: str = "mlp", dataset: str = "digits") -> dict[str, Any]:
+    """Test accuracy and loss of the weights in a checkpoint, loaded into ``model``."""
+    from . import checkpoint
+
+    state = checkpoint.load(path)
+    data = datasets.load(dataset)
+    module = build_model(model, data, seed=0)
+    flat = FlatModel(module)
+    if flat.layout.to_wire() != state.layout.to_wire():
+        raise ConfigError(f"the checkpoint's parameters ({len(state.layout.tensors)} tensors, {state.layout.size} values) "
+                          f"are not those of model {model!r} on {dataset!r} ({flat.layout.size} values)")
+    flat.load(state.weights)
+    accuracy, loss = evaluate(module, data.x_test, data.y_test)
+    return {"checkpoint": path, "clock": state.clock, "samples": state.samples, "model": model, "dataset": dataset,
+            "test_accuracy": accuracy, "test_error": 1.0 - accuracy, "test_loss": loss}
 
 
 def build_model(model: str, dataset: datasets.Dataset, seed: int) -> nn.Module:

@@ -33,14 +33,20 @@ def test_train_writes_results_json(tmp_path):
     assert "test accuracy" in proc.stdout
 
 
-def test_default_train_reaches_target_accuracy(tmp_path):
-    out = tmp_path / "r.json"
-    proc = run_cli("train", "--quiet", "--results", str(out), timeout=300)
+def test_default_train_reaches_target_accuracy_and_its_checkpoint_evaluates_the_same(tmp_path):
+    out, weights = tmp_path / "r.json", tmp_path / "model.ckpt"
+    proc = run_cli("train", "--quiet", "--results", str(out), "--checkpoint", str(weights), timeout=300)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
     assert res["learners"] == 4
     assert res["test_accuracy"] >= 0.93, res
     assert res["staleness_max"] >= 1  # four concurrent learners really do overlap
+    proc = run_cli("evaluate", str(weights), "--json")
+    assert proc.returncode == 0, proc.stderr
+    evaluated = json.loads(proc.stdout)
+    assert evaluated["clock"] == res["updates"] and evaluated["test_accuracy"] == res["test_accuracy"]
+    proc = run_cli("evaluate", str(weights), "--model", "linear")
+    assert proc.returncode == 2 and "are not those of model 'linear'" in proc.stderr
 
 
 def test_server_and_learners_in_separate_processes():
