@@ -2,9 +2,10 @@
 
 A checkpoint file is one frame of the wire format (``docs/wire.md``) of type CHECKPOINT
 (9): the 24-byte header, a msgpack metadata map, then two float32 segments, the weights and
-the momentum, each ``layout.size`` values. Metadata keys: ``format`` (1), ``clock``,
-``layout`` (as in HELLO), ``samples``, ``crc32`` (of each segment's bytes), ``saved_at``
-(Unix time) and ``info`` (free-form: the server's settings, for people reading the file).
+the momentum, of the values the file's shard holds. Metadata keys: ``format`` (1),
+``clock``, ``layout`` (the whole model's, as in HELLO), ``shard`` ([index, count]),
+``samples``, ``crc32`` (of each segment's bytes), ``saved_at`` (Unix time) and ``info``
+(free-form: the server's settings, for people reading the file).
 
 :func:`save` writes to a temporary file in the same directory, fsyncs it and renames it over
 the target, so a crash at any moment leaves either the old or the new checkpoint, never a
@@ -24,7 +25,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from .errors import CheckpointError, RudraError
-from .layout import Layout
+from .layout import Layout, Shard
 from .wire import HEADER_SIZE, Limits, MsgType, decode_meta, encode_frame, parse_segments, unpack_header
 
 FORMAT = 1
@@ -33,7 +34,8 @@ _LIMITS = Limits(max_body=1 << 62)  # a checkpoint holds two full copies of the 
 
 @dataclass
 class Checkpoint:
-    """The state a server resumes from. ``weights`` and ``momentum`` are flat float32."""
+    """The state a server resumes from. ``weights`` and ``momentum`` are flat float32: the
+    values of ``shard``'s range of the whole model's ``layout``."""
 
     layout: Layout
     clock: int
@@ -42,6 +44,13 @@ class Checkpoint:
     samples: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
+    shard: Shard = field(default_factory=Shard)
+
+    @property
+    def size(self) -> int:
+        """Values held: the shard's share of the layout."""
+        lo, hi = self.shard.range(self.layout.size)
+        return hi - lo
 
 
 def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
@@ -49,12 +58,13 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
     The arrays are written from their own memory, without copies."""
     path = os.fspath(path)
     arrays = [np.ascontiguousarray(a, np.float32).reshape(-1) for a in (ckpt.weights, ckpt.momentum)]
-    if any(a.size != ckpt.layout.size for a in arrays):
-        raise CheckpointError(f"weights and momentum must have {ckpt.layout.size} values each")
+    if any(a.size != ckpt.size for a in arrays):
+        raise CheckpointError(f"weights and momentum must have {ckpt.size} values each")
     meta = {
         "format": FORMAT,
         "clock": int(ckpt.clock),
         "layout": ckpt.layout.to_wire(),
+        "shard": ckpt.shard.to_wire(),
         "samples": int(ckpt.samples),
         "crc32": [zlib.crc32(a.view(np.uint8)) for a in arrays],
         "saved_at": time.time(),
@@ -104,20 +114,22 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
         meta = decode_meta(f.read(header.meta_len))
         specs = parse_segments(meta, header.body_len)
         layout = Layout.from_wire(meta.get("layout"))
+        shard = Shard.from_wire(meta.get("shard"))
+        lo, hi = shard.range(layout.size)
     except RudraError as exc:
         raise CheckpointError(f"{path} has bad metadata: {exc}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}; this version reads {FORMAT}")
-    if [(s.dtype.str, s.shape) for s in specs] != [("<f4", (layout.size,))] * 2:
-        raise CheckpointError(f"{path} must hold two float32 segments of {layout.size} values")
-    arrays = [np.empty(layout.size, np.float32) for _ in specs]
+    if [(s.dtype.str, s.shape) for s in specs] != [("<f4", (hi - lo,))] * 2:
+        raise CheckpointError(f"{path} must hold two float32 segments of {hi - lo} values")
+    arrays = [np.empty(hi - lo, np.float32) for _ in specs]
     for a, crc in zip(arrays, _list(meta, "crc32", 2)):
         _read_exactly(f, memoryview(a.view(np.uint8)))
         if zlib.crc32(a.view(np.uint8)) != crc:
             raise CheckpointError(f"{path} is corrupt: a segment fails its CRC-32 check")
     clock, samples = _int(meta, "clock"), _int(meta, "samples")
     info = meta.get("info") if isinstance(meta.get("info"), dict) else {}
-    return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, float(meta.get("saved_at", 0.0)))
+    return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, float(meta.get("saved_at", 0.0)), shard)
 
 
 def _int(meta: dict[str, Any], key: str) -> int:

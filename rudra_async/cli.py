@@ -12,7 +12,8 @@ import click
 
 from . import __version__
 from .config import DEFAULT_LISTEN, ServerConfig
-from .errors import RudraError
+from .layout import Shard
+from .errors import ConfigError, RudraError
 from .eventloop import run as run_loop
 
 
@@ -40,6 +41,13 @@ def _parse_option(ctx: Any, param: Any, values: tuple[str, ...]) -> dict[str, An
         except ValueError:
             out[key] = raw
     return out
+
+
+def _parse_shard(ctx: Any, param: Any, value: str) -> Shard:
+    try:
+        return Shard.parse(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _parse_milestones(ctx: Any, param: Any, value: str | None) -> tuple[float, ...]:
@@ -106,6 +114,8 @@ def pop_server_config(kwargs: dict[str, Any]) -> ServerConfig:
 @click.option("--max-updates", type=int, default=None, help="End the run after this many updates.")
 @click.option("--resume", type=click.Path(dir_okay=False), default=None,
               help="Start from this checkpoint (weights, momentum, clock) instead of the first learner's weights.")
+@click.option("--shard", callback=_parse_shard, default="0/1", show_default=True,
+              help="I/N: hold the I-th of N parts of the parameters (learners connect to all N, in order).")
 def server(listen: tuple[str, ...], **kwargs: Any) -> None:
     """Run a parameter server until interrupted. Weights come from the first learner's hello."""
     from .server import ParameterServer
@@ -127,7 +137,8 @@ def server(listen: tuple[str, ...], **kwargs: Any) -> None:
 
 
 @main.command()
-@click.option("--connect", required=True, help="Server address, e.g. tcp://127.0.0.1:7000.")
+@click.option("--connect", required=True,
+              help="Server address, e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, comma-separated, in order.")
 @click.option("--model", default="mlp", show_default=True, help="Built-in model name or module:function.")
 @click.option("--dataset", default="digits", show_default=True)
 @click.option("--batch-size", "-b", type=int, default=32, show_default=True, help="Mini-batch size μ.")
@@ -189,20 +200,21 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
 
 
 @main.command()
-@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--model", default="mlp", show_default=True, help="The model the checkpoint was trained with.")
 @click.option("--dataset", default="digits", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
-def evaluate(checkpoint: str, model: str, dataset: str, as_json: bool) -> None:
-    """Test accuracy of the weights in a checkpoint (written with --checkpoint)."""
+def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, as_json: bool) -> None:
+    """Test accuracy of the weights in a checkpoint (written with --checkpoint); for a sharded
+    group, give every shard's checkpoint."""
     from .learner import evaluate_checkpoint
 
     try:
-        out = evaluate_checkpoint(checkpoint, model, dataset)
+        out = evaluate_checkpoint(checkpoints, model, dataset)
     except RudraError as exc:
         _fail(exc)
     click.echo(json.dumps(out) if as_json else
-               f"{checkpoint}: update {out['clock']}, test accuracy {out['test_accuracy']:.4f}, loss {out['test_loss']:.4f}")
+               f"update {out['clock']}: test accuracy {out['test_accuracy']:.4f}, loss {out['test_loss']:.4f}")
 
 
 @main.command()

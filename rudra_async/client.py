@@ -12,23 +12,26 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import transports
 from .errors import RemoteError, RudraError, TransportError
 from .eventloop import new_runner
-from .layout import Layout
+from .layout import Layout, Shard
 from .transports.base import Connection
 from .wire import Frame, Limits, MsgType
+
+
+Stamp = Union[int, Tuple[int, ...]]  # a server clock; one per shard for a sharded group
 
 
 @dataclass
 class Weights:
     """Weights at server clock ``timestamp``. ``array`` is the client's reusable buffer."""
 
-    timestamp: int
+    timestamp: Stamp
     array: np.ndarray
     stop: bool
 
@@ -37,7 +40,7 @@ class Weights:
 class Ack:
     """``status`` is 'applied', 'pending' (waits for more gradients) or 'dropped'."""
 
-    timestamp: int
+    timestamp: Stamp
     status: str
     staleness: int | None
     stop: bool
@@ -49,11 +52,13 @@ class Client:
     def __init__(self, conn: Connection, welcome: dict[str, Any]) -> None:
         self.conn = conn
         self.learner_id: int = welcome["learner_id"]
-        self.layout = Layout.from_wire(welcome["layout"])
+        self.layout = Layout.from_wire(welcome["layout"])  # the whole model's
+        self.shard = Shard.from_wire(welcome.get("shard"))
+        self.range: tuple[int, int] = self.shard.range(self.layout.size)  # the part this server holds
         self.protocol: str = welcome.get("protocol", "")
         self.clock: int = welcome.get("clock", 0)
         self._seq = 1
-        self.weights = np.empty(self.layout.size, np.float32)
+        self.weights = np.empty(self.range[1] - self.range[0], np.float32)
         conn.allocator = self._allocate
 
     @classmethod
@@ -66,11 +71,15 @@ class Client:
         name: str | None = None,
         timeout: float = 10.0,
         limits: Limits = Limits(),
+        shard: Shard | None = None,
     ) -> "Client":
-        """Connect and register. ``initial`` (flat float32) seeds the server if it has no weights."""
+        """Connect and register. ``initial`` (flat float32) seeds the server if it has no weights.
+        For one shard of a sharded group, pass ``shard`` and only that shard's part of ``initial``."""
         conn = await transports.connect(url, limits=limits, timeout=timeout)
         try:
             meta = {"name": name or f"{socket.gethostname()}:{os.getpid()}", "layout": layout.to_wire(), "seq": 0}
+            if shard is not None:
+                meta["shard"] = shard.to_wire()
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
             await conn.send(MsgType.HELLO, meta, arrays)
             reply = await asyncio.wait_for(conn.recv(), timeout)
@@ -154,14 +163,118 @@ def _check(frame: Frame, expected: MsgType) -> Frame:
     return frame
 
 
+class ShardedClient:
+    """One learner's connections to every shard of a sharded server group, with the
+    interface of :class:`Client`. Shard i (of S) holds the i-th of S contiguous ranges of the
+    flat parameters; pushes and pulls go to all shards at once, each with its own clock, so
+    timestamps are tuples. Pulled weights land straight in one flat buffer."""
+
+    def __init__(self, clients: Sequence[Client], layout: Layout) -> None:
+        self.clients = list(clients)
+        self.layout = layout
+        self.weights = np.empty(layout.size, np.float32)
+
+    @classmethod
+    async def connect(cls, urls: Sequence[str], layout: Layout, initial: np.ndarray | None = None,
+                      **kwargs: Any) -> "ShardedClient":
+        """Connect to ``urls[i]`` as shard i of ``len(urls)``."""
+        shards = [Shard(i, len(urls)) for i in range(len(urls))]
+        ranges = [s.range(layout.size) for s in shards]
+        parts = [None if initial is None else np.ascontiguousarray(initial, np.float32).reshape(-1)[lo:hi]
+                 for lo, hi in ranges]
+        results = await asyncio.gather(*(Client.connect(url, layout, part, shard=shard, **kwargs)
+                                         for url, part, shard in zip(urls, parts, shards)), return_exceptions=True)
+        clients = [r for r in results if isinstance(r, Client)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(c.close() for c in clients))
+            raise errors[0]
+        return cls(clients, layout)
+
+    @property
+    def weights(self) -> np.ndarray:
+        return self._weights
+
+    @weights.setter
+    def weights(self, buffer: np.ndarray) -> None:
+        """Each shard's part of the buffer becomes that shard client's receive buffer."""
+        self._weights = buffer
+        for c in self.clients:
+            c.weights = buffer[c.range[0] : c.range[1]]
+
+    @property
+    def learner_id(self) -> int:
+        return self.clients[0].learner_id
+
+    @property
+    def protocol(self) -> str:
+        return self.clients[0].protocol
+
+    def _per_shard(self, stamp: Stamp) -> list[int]:
+        stamps = [stamp] * len(self.clients) if isinstance(stamp, int) else list(stamp)
+        if len(stamps) != len(self.clients):
+            raise ValueError(f"need one timestamp per shard ({len(self.clients)}), got {stamp!r}")
+        return stamps
+
+    def _combine(self, parts: Sequence[Weights]) -> Weights:
+        return Weights(tuple(int(w.timestamp) for w in parts), self._weights, any(w.stop for w in parts))
+
+    async def pull(self, newer_than: Stamp = -1) -> Weights:
+        return self._combine(await _all(c.pull(n) for c, n in zip(self.clients, self._per_shard(newer_than))))
+
+    def _slices(self, grad: np.ndarray) -> list[np.ndarray]:
+        flat = grad.reshape(-1)
+        return [flat[c.range[0] : c.range[1]] for c in self.clients]
+
+    async def push(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0,
+                   loss: float | None = None) -> Ack:
+        """Push each shard its part (the loss goes to shard 0 only, for its loss curve)."""
+        acks = await _all(c.push(g, t, step, samples, loss if i == 0 else None) for i, (c, g, t) in
+                          enumerate(zip(self.clients, self._slices(grad), self._per_shard(timestamp))))
+        statuses = {a.status for a in acks}
+        status = "applied" if statuses == {"applied"} else "dropped" if "dropped" in statuses else "pending"
+        staleness = [a.staleness for a in acks if a.staleness is not None]
+        return Ack(tuple(int(a.timestamp) for a in acks), status, max(staleness) if staleness else None,
+                   any(a.stop for a in acks))
+
+    async def push_pull(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0,
+                        loss: float | None = None) -> Weights:
+        return self._combine(await _all(
+            c.push_pull(g, t, step, samples, loss if i == 0 else None) for i, (c, g, t) in
+            enumerate(zip(self.clients, self._slices(grad), self._per_shard(timestamp)))))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+
+async def _all(coros: Any) -> list[Any]:
+    """Run every coroutine to its end; then raise the first error, if any (none is left running)."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+async def connect(url: str, layout: Layout, initial: np.ndarray | None = None,
+                  **kwargs: Any) -> Client | ShardedClient:
+    """A :class:`Client`, or a :class:`ShardedClient` when ``url`` lists the shards' addresses
+    separated by commas, in shard order (``tcp://a:7000,tcp://b:7000``)."""
+    urls = [u.strip() for u in url.split(",")]
+    if len(urls) == 1:
+        return await Client.connect(url, layout, initial, **kwargs)
+    return await ShardedClient.connect(urls, layout, initial, **kwargs)
+
+
 class SyncClient:
-    """Blocking wrapper over :class:`Client` with its own event loop (uvloop when available)."""
+    """Blocking wrapper over :class:`Client` (or :class:`ShardedClient`, when ``url`` lists
+    several shards) with its own event loop (uvloop when available)."""
 
     def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
         self._runner = new_runner()
         self._connect_args = (url, layout, initial, kwargs)
         try:
-            self._client = self._runner.run(Client.connect(url, layout, initial, **kwargs))
+            self._client = self._runner.run(connect(url, layout, initial, **kwargs))
         except BaseException:
             self._runner.close()
             raise
@@ -177,7 +290,7 @@ class SyncClient:
         deadline = time.monotonic() + within
         while True:
             try:
-                self._client = self._runner.run(Client.connect(url, layout, initial, **kwargs))
+                self._client = self._runner.run(connect(url, layout, initial, **kwargs))
                 break
             except TransportError:
                 if time.monotonic() + retry_every > deadline:
@@ -203,13 +316,13 @@ class SyncClient:
             raise ValueError(f"weights buffer must be contiguous float32 of {self.layout.size} values")
         self._client.weights = buffer.reshape(-1)
 
-    def pull(self, newer_than: int = -1) -> Weights:
+    def pull(self, newer_than: Stamp = -1) -> Weights:
         return self._runner.run(self._client.pull(newer_than))
 
-    def push(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0, loss: float | None = None) -> Ack:
+    def push(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None) -> Ack:
         return self._runner.run(self._client.push(grad, timestamp, step, samples, loss))
 
-    def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0,
+    def push_pull(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0,
                   loss: float | None = None) -> Weights:
         return self._runner.run(self._client.push_pull(grad, timestamp, step, samples, loss))
 

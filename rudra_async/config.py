@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .layout import Shard
 from .wire import DEFAULT_MAX_BODY
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
@@ -23,7 +24,8 @@ class ServerConfig:
     fields. ``max_updates`` ends the run: once the clock reaches it, replies carry
     ``stop`` and further gradients are refused with ``stopped``. Checkpoints: written to
     ``checkpoint`` every ``checkpoint_every`` updates and when the server closes; ``resume``
-    names a checkpoint to start from (weights, momentum, clock, samples).
+    names a checkpoint to start from (weights, momentum, clock, samples). ``shard``: which
+    part of the model this server holds in a sharded group (see :class:`~rudra_async.layout.Shard`).
     """
 
     listen: list[str] = field(default_factory=lambda: [DEFAULT_LISTEN])
@@ -52,6 +54,7 @@ class ServerConfig:
     checkpoint: str | None = None
     checkpoint_every: int | None = None
     resume: str | None = None
+    shard: Shard = field(default_factory=Shard)
 
     def validate(self) -> "ServerConfig":
         if not self.listen:

@@ -1,14 +1,16 @@
-"""Parameter layout: named tensors packed end to end into one flat float32 buffer.
+"""Parameter layout: named tensors packed end to end into one flat float32 buffer, and its
+split into shards.
 
-Parameters are addressed by (shard, offset); rudra-async runs one shard today, and the
-layout is what a sharded server will split.
+A server group of S shards splits the flat buffer into S contiguous ranges whose lengths
+differ by at most one (:meth:`Shard.range`); shard i holds the i-th. Ranges ignore tensor
+boundaries, so shards stay balanced whatever the model's largest tensor.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .errors import RequestError
+from .errors import ConfigError, RequestError
 
 
 @dataclass(frozen=True)
@@ -69,3 +71,57 @@ class Layout:
                 raise RequestError(f"bad layout entry {item!r}; expected [name, shape]", code="bad_layout")
             items.append((item[0], tuple(item[1])))
         return cls.from_shapes(items)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count`` (0-based); ``Shard()`` is the whole model."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.index, int) and isinstance(self.count, int) and 0 <= self.index < self.count):
+            raise ConfigError(f"shard must be I/N with 0 <= I < N, got {self.index}/{self.count}")
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Shard":
+        """``"I/N"``, e.g. ``"0/4"``."""
+        index, sep, count = text.partition("/")
+        try:
+            return cls(int(index), int(count))
+        except ValueError:
+            raise ConfigError(f"shard must be I/N, e.g. 0/4; got {text!r}") from None
+
+    def to_wire(self) -> list[int]:
+        return [self.index, self.count]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "Shard":
+        """``[index, count]``, or None for the whole model; raises :class:`RequestError`."""
+        if raw is None:
+            return cls()
+        try:
+            index, count = raw
+            return cls(index, count)
+        except (TypeError, ValueError, ConfigError):
+            raise RequestError(f"shard must be [index, count] with 0 <= index < count, got {raw!r}",
+                               code="bad_request") from None
+
+    def range(self, size: int) -> tuple[int, int]:
+        """The [lo, hi) range of a flat buffer of ``size`` values that this shard holds."""
+        if self.count > size:
+            raise ConfigError(f"cannot split {size} parameters into {self.count} shards")
+        q, r = divmod(size, self.count)
+        lo = self.index * q + min(self.index, r)
+        return lo, lo + q + (self.index < r)
+
+    def layout(self, full: Layout) -> Layout:
+        """The layout of this shard's slice: one flat tensor named after the range."""
+        lo, hi = self.range(full.size)
+        if self.count == 1:
+            return full
+        return Layout((Tensor(f"shard {self}: [{lo}:{hi}]", (hi - lo,), 0),), full.dtype, self.index)

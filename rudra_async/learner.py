@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -63,20 +63,29 @@ def evaluate(module: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, fl
     return acc, loss
 
 
-def evaluate_checkpoint(path: str, model: str = "mlp", dataset: str = "digits") -> dict[str, Any]:
-    """Test accuracy and loss of the weights in a checkpoint, loaded into ``model``."""
+def evaluate_checkpoint(paths: Sequence[str], model: str = "mlp", dataset: str = "digits") -> dict[str, Any]:
+    """Test accuracy and loss of the weights in a checkpoint (or in one checkpoint per shard
+    of a sharded group, in any order), loaded into ``model``."""
     from . import checkpoint
 
-    state = checkpoint.load(path)
+    states = sorted((checkpoint.load(p) for p in paths), key=lambda st: st.shard.index)
+    shards = [str(st.shard) for st in states]
+    count = states[0].shard.count
+    if [st.shard.to_wire() for st in states] != [[i, count] for i in range(count)]:
+        raise ConfigError(f"need one checkpoint for every shard of {count}, got shards {', '.join(shards)}")
+    if any(st.layout != states[0].layout for st in states):
+        raise ConfigError("the shards' checkpoints belong to different models")
     data = datasets.load(dataset)
     module = build_model(model, data, seed=0)
     flat = FlatModel(module)
-    if flat.layout.to_wire() != state.layout.to_wire():
-        raise ConfigError(f"the checkpoint's parameters ({len(state.layout.tensors)} tensors, {state.layout.size} values) "
+    layout = states[0].layout
+    if flat.layout.to_wire() != layout.to_wire():
+        raise ConfigError(f"the checkpoint's parameters ({len(layout.tensors)} tensors, {layout.size} values) "
                           f"are not those of model {model!r} on {dataset!r} ({flat.layout.size} values)")
-    flat.load(state.weights)
+    flat.load(np.concatenate([st.weights for st in states]))
     accuracy, loss = evaluate(module, data.x_test, data.y_test)
-    return {"checkpoint": path, "clock": state.clock, "samples": state.samples, "model": model, "dataset": dataset,
+    return {"checkpoints": list(paths), "clocks": [st.clock for st in states], "clock": states[0].clock,
+            "samples": states[0].samples, "model": model, "dataset": dataset,
             "test_accuracy": accuracy, "test_error": 1.0 - accuracy, "test_loss": loss}
 
 

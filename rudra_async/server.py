@@ -23,7 +23,7 @@ import numpy as np
 from . import __version__, checkpoint, kernels, registry, transports
 from .config import ServerConfig
 from .errors import CheckpointError, ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
-from .layout import Layout
+from .layout import Layout, Shard
 from .lr import LRPolicy, Schedule
 from .stats import StalenessHistogram
 from .store import WeightStore
@@ -103,11 +103,14 @@ class ParameterServer:
         self.protocol = make_protocol(cfg)
         self.lr_policy = make_lr_policy(cfg)
         self.schedule = Schedule(cfg.lr, cfg.lr_decay_at, cfg.lr_decay, cfg.lr_decay_unit, cfg.warmup, cfg.lr_scale_ref_batch)
+        self.shard: Shard = cfg.shard
+        self.layout: Layout | None = None  # the whole model's; the store holds this server's shard of it
         self.store: WeightStore | None = None
         if initial is not None:
             layout = Layout.from_shapes((k, np.shape(a)) for k, a in initial.items())
             flat = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in initial.values()])
-            self.store = WeightStore(layout, flat, self.kernel, *self._shared_memory())
+            lo, hi = self.shard.range(layout.size)
+            self._create_store(layout, flat[lo:hi])
         self.learners: dict[int, LearnerInfo] = {}
         self.waiting: set[int] = set()  # learners whose request waits on the protocol
         self.losses: list[tuple[int, float]] = []  # (clock, training loss) as learners report it
@@ -230,6 +233,7 @@ class ParameterServer:
             **self.protocol.describe(),
             "lr_policy": self.config.lr_policy,
             "kernel": self.kernel,
+            "shard": str(self.shard),
             "updates": self.clock,
             "gradients": self.staleness.total,
             "dropped": sum(l.dropped for l in self.learners.values()),
@@ -258,8 +262,9 @@ class ParameterServer:
         if not target:
             raise ConfigError("no checkpoint path: pass one or configure --checkpoint")
         with store.lease() as (clock, weights):
-            state = checkpoint.Checkpoint(store.layout, clock, weights, store.updater.momentum, self.samples_seen,
-                                          self._checkpoint_info())
+            assert self.layout is not None
+            state = checkpoint.Checkpoint(self.layout, clock, weights, store.updater.momentum, self.samples_seen,
+                                          self._checkpoint_info(), shard=self.shard)
             await asyncio.to_thread(checkpoint.save, target, state)
         self._last_checkpoint = (target, clock)
         self.checkpoints.update(written=self.checkpoints["written"] + 1, clock=clock)
@@ -274,13 +279,20 @@ class ParameterServer:
 
     def _restore(self, path: str) -> None:
         state = checkpoint.load(path)
-        self.store = WeightStore(state.layout, state.weights, self.kernel, *self._shared_memory())
+        if state.shard != self.shard:
+            raise ConfigError(f"{path} holds shard {state.shard}, but this server is shard {self.shard}")
+        self._create_store(state.layout, state.weights)
         self.store.clock = state.clock
         self.protocol.start_at(state.clock)
         self.store.updater.load_momentum(state.momentum)
         self.samples_seen = state.samples
         self._last_checkpoint = (path, state.clock)
         log.info("resumed from %s: update %d, %d parameters", path, state.clock, state.layout.size)
+
+    def _create_store(self, layout: Layout, shard_weights: np.ndarray) -> None:
+        """Hold this server's shard of a model with the given (whole) layout."""
+        self.layout = layout
+        self.store = WeightStore(self.shard.layout(layout), shard_weights, self.kernel, *self._shared_memory())
 
     def _maybe_checkpoint(self) -> None:
         """After an update: start a periodic checkpoint when one is due. At most one is written
@@ -419,19 +431,24 @@ class ParameterServer:
 
     def _register(self, meta: dict[str, Any], frame: Frame, peer: str) -> LearnerInfo:
         layout = Layout.from_wire(meta.get("layout"))
+        shard = Shard.from_wire(meta.get("shard"))
+        if shard != self.shard:
+            raise RequestError(f"this server is shard {self.shard}; the learner asked for shard {shard}",
+                               code="shard_mismatch")
         if self.store is None:
             arrays = frame.arrays
-            if len(arrays) != 1 or arrays[0].dtype != np.float32 or arrays[0].size != layout.size:
+            lo, hi = self.shard.range(layout.size)
+            if len(arrays) != 1 or arrays[0].dtype != np.float32 or arrays[0].size != hi - lo:
                 raise RequestError(
                     "the server has no weights yet: the first hello must carry the initial weights "
-                    f"as one float32 segment of {layout.size} values",
+                    f"(of shard {self.shard}) as one float32 segment of {hi - lo} values",
                     code="no_weights",
                 )
-            self.store = WeightStore(layout, arrays[0].reshape(-1), self.kernel, *self._shared_memory())
+            self._create_store(layout, arrays[0].reshape(-1))
             assert self._initialized is not None
             self._initialized.set()
             log.info("weights initialized by %s: %d parameters in %d tensors", peer, layout.size, len(layout.tensors))
-        elif layout.to_wire() != self.store.layout.to_wire():
+        elif self.layout is None or layout.to_wire() != self.layout.to_wire():
             raise RequestError("the learner's parameter layout differs from the server's", code="layout_mismatch")
         info = LearnerInfo(self._next_id, str(meta.get("name", "")), peer)
         self._next_id += 1
@@ -531,11 +548,13 @@ class _Session:
             if self.learner is not None:
                 raise RequestError("hello twice on one connection", code="bad_request")
             self.learner = server._register(meta, frame, self.conn.peer)
-            store = server.store
-            assert store is not None
+            store, layout = server.store, server.layout
+            assert store is not None and layout is not None
             welcome = {
                 "learner_id": self.learner.learner_id,
-                "layout": store.layout.to_wire(),
+                "layout": layout.to_wire(),
+                "shard": server.shard.to_wire(),
+                "range": list(server.shard.range(layout.size)),
                 **server.protocol.describe(),
                 "clock": store.clock,
                 "server": f"rudra-async {__version__}",

@@ -1,0 +1,162 @@
+"""Sharded server groups: S servers each hold a contiguous part of the parameters; a learner
+pushes and pulls every part at once. A group must compute what one server does."""
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+
+from rudra_async import ConfigError, ParameterServer, ServerConfig
+from rudra_async.client import Client, ShardedClient, connect
+from rudra_async.errors import RemoteError
+from rudra_async.layout import Layout, Shard
+
+from helpers import (CLI_ARGS, initial_weights, random_batches, run_server, sgd_reference, small_layout,
+                     subprocess_env, free_port, wait_listening)
+
+SGD = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
+
+
+@pytest.mark.parametrize("size, count", [(16, 1), (16, 3), (17, 4), (5, 5), (1000, 7)])
+def test_shard_ranges_cover_the_buffer_in_balanced_contiguous_parts(size, count):
+    ranges = [Shard(i, count).range(size) for i in range(count)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    lengths = [hi - lo for lo, hi in ranges]
+    assert max(lengths) - min(lengths) <= 1
+
+
+def test_bad_shards_are_refused():
+    for text in ["2/2", "-1/2", "a/b", "3", "0/0"]:
+        with pytest.raises(ConfigError, match="shard must be"):
+            Shard.parse(text)
+    with pytest.raises(ConfigError, match="cannot split 3 parameters into 4 shards"):
+        Shard(0, 4).range(3)
+
+
+@contextlib.asynccontextmanager
+async def run_group(count, **config):
+    """``count`` real servers on loopback ports, shard i/count each; yields (servers, joined URL)."""
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(run_server(shard=Shard(i, count), **config))
+                   for i in range(count)]
+        yield servers, ",".join(ps.addresses[0] for ps in servers)
+
+
+async def push_all(url, layout, w0, batches):
+    """One learner: pull, then push each batch's gradient on the newest weights."""
+    client = await connect(url, layout, w0)
+    w = await client.pull()
+    stamps = [w.timestamp]
+    for grads, _ in batches:
+        w = await client.push_pull(grads[0], w.timestamp)
+        stamps.append(w.timestamp)
+    out = w.array.copy()
+    await client.close()
+    return out, stamps
+
+
+@pytest.mark.parametrize("count", [2, 3])
+async def test_a_sharded_group_computes_what_one_server_does(count):
+    layout = small_layout()
+    w0 = initial_weights(layout)
+    batches = list(random_batches(layout.size, 15, 1))
+    async with run_server(protocol="async", **SGD) as ps:
+        single, _ = await push_all(ps.addresses[0], layout, w0, batches)
+    async with run_group(count, protocol="async", **SGD) as (servers, url):
+        sharded, stamps = await push_all(url, layout, w0, batches)
+        assert [ps.clock for ps in servers] == [15] * count
+        for ps, (lo, hi) in zip(servers, (Shard(i, count).range(layout.size) for i in range(count))):
+            np.testing.assert_array_equal(ps.store.weights, sharded[lo:hi])  # each holds only its part
+            assert ps.store.layout.size == hi - lo
+    assert stamps == [(k,) * count for k in range(16)]
+    # the same arithmetic per element; only the kernel's vector/scalar split of each slice may round differently
+    np.testing.assert_allclose(sharded, single, rtol=1e-6, atol=1e-6)
+
+
+async def test_sharded_hardsync_equals_torch_sgd_on_the_combined_gradient():
+    layout, learners, steps = small_layout(), 3, 6
+    w0 = initial_weights(layout)
+    batches = list(random_batches(layout.size, steps, learners))
+    expected = list(sgd_reference(w0, [(g, [1 / learners] * learners) for g, _ in batches], **SGD))
+    async with run_group(2, protocol="hardsync", **SGD) as (servers, url):
+        clients = [await connect(url, layout, w0) for _ in range(learners)]
+        ws = [await c.pull() for c in clients]
+        for step, (grads, _) in enumerate(batches):
+            ws = await asyncio.gather(*(c.push_pull(g, w.timestamp) for c, g, w in zip(clients, grads, ws)))
+            for w in ws:
+                assert w.timestamp == (step + 1, step + 1)
+                np.testing.assert_allclose(w.array, expected[step], rtol=1e-5, atol=1e-6)
+        assert all(ps.stats()["staleness_max"] == 0 for ps in servers)
+        for c in clients:
+            await c.close()
+
+
+async def test_a_learner_must_address_the_right_shard():
+    layout = small_layout()
+    async with run_group(2, protocol="async") as (servers, url):
+        first, second = url.split(",")
+        with pytest.raises(RemoteError) as info:
+            await ShardedClient.connect([second, first], layout, initial_weights(layout))  # swapped order
+        assert info.value.code == "shard_mismatch"
+        with pytest.raises(RemoteError) as info:
+            await Client.connect(first, layout, initial_weights(layout))  # a whole-model hello
+        assert info.value.code == "shard_mismatch"
+        assert all(ps.store is None for ps in servers)  # nothing was initialized by the refused hellos
+
+
+def test_an_embedded_shard_takes_its_part_of_the_initial_weights():
+    w = np.arange(10, dtype=np.float32)
+    ps = ParameterServer(ServerConfig(shard=Shard(1, 3)), initial={"a": w[:4], "b": w[4:].reshape(2, 3)})
+    np.testing.assert_array_equal(ps.store.weights, w[4:7])
+    assert ps.layout == Layout.from_shapes([("a", (4,)), ("b", (2, 3))])
+
+
+def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
+    """Two `rudra-async server --shard i/2` processes, two learner processes connected to
+    both; each shard checkpoints its part; `evaluate` joins the parts."""
+    ports = [free_port(), free_port()]
+    urls = [f"tcp://127.0.0.1:{p}" for p in ports]
+    ckpts = [tmp_path / f"shard{i}.ckpt" for i in range(2)]
+    env = subprocess_env()
+    servers = [subprocess.Popen([*CLI_ARGS, "server", "--listen", urls[i], "--shard", f"{i}/2", "--max-updates", "300",
+                                 "--checkpoint", str(ckpts[i])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env) for i in range(2)]
+    learners = []
+    try:
+        for p in ports:
+            wait_listening(p)
+        learners = [subprocess.Popen([*CLI_ARGS, "learner", "--connect", ",".join(urls), "--index", str(i), "--json"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                    for i in range(2)]
+        steps = 0
+        for p in learners:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            steps += json.loads(out.strip().splitlines()[-1])["steps"]
+        assert steps == 300  # every push reached both shards; the group stopped at 300 updates
+        stats = []
+        for s in servers:
+            s.send_signal(signal.SIGTERM)
+            _, err = s.communicate(timeout=30)
+            assert s.returncode == 0, err
+            stats.append(json.loads(err.strip().splitlines()[-1]))
+        assert [st["shard"] for st in stats] == ["0/2", "1/2"] and [st["updates"] for st in stats] == [300, 300]
+    finally:
+        for p in servers + learners:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    run = subprocess.run([*CLI_ARGS, "evaluate", str(ckpts[1]), str(ckpts[0]), "--json"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["clocks"] == [300, 300] and result["test_accuracy"] >= 0.8, result
+    run = subprocess.run([*CLI_ARGS, "evaluate", str(ckpts[0])], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and "need one checkpoint for every shard of 2" in run.stderr
+    run = subprocess.run([*CLI_ARGS, "server", "--listen", f"tcp://127.0.0.1:{free_port()}", "--shard", "1/2",
+                          "--resume", str(ckpts[0])], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2 and "holds shard 0/2, but this server is shard 1/2" in run.stderr
