@@ -4,11 +4,13 @@ Each round trip moves the gradient up and the weights down (2 × SIZE bytes). Th
 moves the same bytes with a bare uvloop BufferedProtocol echo (preallocated buffers, no
 framing, no update). The server runs in its own process, like a real deployment.
 
-    python benchmarks/tcp_roundtrip.py [--mb 100] [--reps 10]
+    python benchmarks/tcp_roundtrip.py [--mb 100] [--reps 10] [--shards 2]
 
 Prints medians and the ratio rudra/baseline for throughput (higher is better), both for
 the whole round trip and for the transport share (the server's update-kernel time taken
-out), and the small-message round-trip latency.
+out), and the small-message round-trip latency. With ``--shards N`` it also times the same
+round trip against a group of N shard servers (one process each) and prints it next to
+the single server's.
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ import time
 import numpy as np
 import uvloop
 
-from rudra_async.client import Client
+from rudra_async.client import connect
 from rudra_async.config import ServerConfig
-from rudra_async.layout import Layout
+from rudra_async.layout import Layout, Shard
 from rudra_async.server import ParameterServer
 
 
@@ -92,11 +94,11 @@ async def raw_round_trips(port: int, nbytes: int, reps: int) -> list[float]:
 
 
 # -- rudra: a real ParameterServer in another process --------------------------------------------
-def _serve_rudra(size: int, port_q, stats_pipe) -> None:
+def _serve_rudra(size: int, port_q, stats_pipe, shard: Shard = Shard()) -> None:
     async def main():
-        cfg = ServerConfig(listen=["tcp://127.0.0.1:0"], lr=1e-6, momentum=0.9)
+        cfg = ServerConfig(listen=["tcp://127.0.0.1:0"], lr=1e-6, momentum=0.9, shard=shard)
         async with ParameterServer(cfg, initial={"w": np.zeros(size, np.float32)}) as ps:
-            port_q.put(ps.addresses[0])
+            port_q.put((shard.index, ps.addresses[0]))
             while not stats_pipe.poll():
                 await asyncio.sleep(0.05)
             stats_pipe.send(ps.stats())
@@ -105,7 +107,7 @@ def _serve_rudra(size: int, port_q, stats_pipe) -> None:
 
 
 async def rudra_round_trips(url: str, size: int, reps: int) -> list[float]:
-    client = await Client.connect(url, Layout.from_shapes([("w", (size,))]))
+    client = await connect(url, Layout.from_shapes([("w", (size,))]))
     grad = np.full(size, 1e-3, np.float32)
     w = await client.pull()
     times = []
@@ -125,14 +127,7 @@ def measure(size: int, reps: int) -> dict:
     raw.start()
     raw_times = uvloop.run(raw_round_trips(port_q.get(timeout=30), nbytes, reps))
     raw.kill()
-    here, there = ctx.Pipe()
-    srv = ctx.Process(target=_serve_rudra, args=(size, port_q, there), daemon=True)
-    srv.start()
-    rudra_times = uvloop.run(rudra_round_trips(port_q.get(timeout=30), size, reps))
-    here.send("stats")
-    stats = here.recv()
-    srv.kill()
-    update_per_rt = stats["update_seconds"] / stats["updates"]
+    rudra_times, update_per_rt = rudra_group(ctx, size, reps, 1)
     return {
         "bytes_per_rt": 2 * nbytes,
         "raw": statistics.median(raw_times),
@@ -141,12 +136,34 @@ def measure(size: int, reps: int) -> dict:
     }
 
 
+def rudra_group(ctx, size: int, reps: int, shards: int) -> tuple[list[float], float]:
+    """Round-trip times against ``shards`` server processes, and the slowest shard's update time."""
+    port_q = ctx.Queue()
+    pipes, procs = [], []
+    for i in range(shards):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_serve_rudra, args=(size, port_q, there, Shard(i, shards)), daemon=True)
+        proc.start()
+        pipes.append(here)
+        procs.append(proc)
+    by_shard = dict(port_q.get(timeout=30) for _ in range(shards))
+    times = uvloop.run(rudra_round_trips(",".join(by_shard[i] for i in range(shards)), size, reps))
+    updates = []
+    for here, proc in zip(pipes, procs):
+        here.send("stats")
+        stats = here.recv()
+        updates.append(stats["update_seconds"] / stats["updates"])
+        proc.kill()
+    return times, max(updates)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=100.0)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--small-floats", type=int, default=256)
     ap.add_argument("--small-reps", type=int, default=2000)
+    ap.add_argument("--shards", type=int, default=1, help="also time a group of this many shard servers")
     args = ap.parse_args()
 
     big = measure(int(args.mb * 1e6 / 4), args.reps)
@@ -157,6 +174,11 @@ def main() -> None:
     print(f"  rudra-async, whole trip    : {big['rudra'] * 1e3:8.1f} ms  {gbps(big['rudra']):6.2f} GB/s   ratio {big['raw'] / big['rudra']:.2f}x")
     print(f"    of which server update   : {big['update'] * 1e3:8.1f} ms")
     print(f"  rudra-async, transport only: {transport * 1e3:8.1f} ms  {gbps(transport):6.2f} GB/s   ratio {big['raw'] / transport:.2f}x")
+    if args.shards > 1:
+        times, update = rudra_group(mp.get_context("spawn"), int(args.mb * 1e6 / 4), args.reps, args.shards)
+        group = statistics.median(times)
+        print(f"  {args.shards} shard servers, whole trip: {group * 1e3:8.1f} ms  {gbps(group):6.2f} GB/s   "
+              f"ratio {big['raw'] / group:.2f}x raw, {big['rudra'] / group:.2f}x one server (slowest shard's update {update * 1e3:.1f} ms)")
     small = measure(args.small_floats, args.small_reps)
     print(f"small message ({4 * args.small_floats} B each way), median of {args.small_reps}")
     print(f"  raw uvloop socket baseline : {small['raw'] * 1e6:8.1f} us")

@@ -137,7 +137,9 @@ def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
             steps += json.loads(out.strip().splitlines()[-1])["steps"]
-        assert steps == 300  # every push reached both shards; the group stopped at 300 updates
+        # the group stopped at 300 updates; a last push racing the stop may be applied by one
+        # shard and refused by the other, and then it does not count as a step of its learner
+        assert 300 - len(learners) <= steps <= 300
         stats = []
         for s in servers:
             s.send_signal(signal.SIGTERM)
