@@ -21,8 +21,9 @@ from typing import Any, Callable
 import numpy as np
 
 from . import __version__, checkpoint, kernels, registry, transports
+from .checkpointer import Checkpointer
 from .config import ServerConfig
-from .errors import CheckpointError, ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
+from .errors import ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
 from .layout import Layout, Shard
 from .lr import LRPolicy, Schedule
 from .stats import StalenessHistogram
@@ -32,17 +33,6 @@ from .transports.base import Connection, Listener
 from .wire import Frame, Limits, MsgType
 
 log = logging.getLogger(__name__)
-
-
-def _check_writable(path: str) -> None:
-    """Fail at start, not hours into a run, when checkpoints cannot be written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ConfigError(f"checkpoint directory {directory} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"checkpoint directory {directory} is not writable")
-    if os.path.isdir(path):
-        raise ConfigError(f"checkpoint path {path} is a directory; give a file name")
 
 
 @dataclass
@@ -120,18 +110,13 @@ class ParameterServer:
         self.update_seconds = 0.0  # time spent in the update kernel
         self.first_update_at: float | None = None
         self.last_update_at: float | None = None
-        self.checkpoints: dict[str, Any] = {"path": cfg.checkpoint, "written": 0, "failed": 0, "clock": None}
-        self._last_checkpoint: tuple[str, int] | None = None  # (path, clock) of the newest on disk
-        self._checkpointing: asyncio.Future[None] | None = None
-        self._checkpoint_due = False
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_every, self.checkpoint)
         self._store_closed = False
         self._shutdown: asyncio.Future[None] | None = None
         if cfg.resume is not None:
             if initial is not None:
                 raise ConfigError("give the server initial weights or a checkpoint to resume from, not both")
             self._restore(cfg.resume)
-        if cfg.checkpoint:
-            _check_writable(cfg.checkpoint)
         self._next_id = 0
         self._listeners: list[Listener] = []
         self._closed: asyncio.Event | None = None
@@ -179,7 +164,7 @@ class ParameterServer:
         for listener in listeners:
             await listener.close()
         try:
-            await self._final_checkpoint()
+            await self.checkpointer.final(self.clock if self.store is not None else None)
         finally:
             self._store_closed = True
             if self.store is not None:
@@ -245,7 +230,7 @@ class ParameterServer:
                 for i, l in self.learners.items()
             },
             "rejected": dict(self.rejected),
-            "checkpoint": dict(self.checkpoints),
+            "checkpoint": dict(self.checkpointer.stats),
             "loss_curve": loss_curve(self.losses),
         }
 
@@ -266,8 +251,7 @@ class ParameterServer:
             state = checkpoint.Checkpoint(self.layout, clock, weights, store.updater.momentum, self.samples_seen,
                                           self._checkpoint_info(), shard=self.shard)
             await asyncio.to_thread(checkpoint.save, target, state)
-        self._last_checkpoint = (target, clock)
-        self.checkpoints.update(written=self.checkpoints["written"] + 1, clock=clock)
+        self.checkpointer.on_disk(target, clock)
         log.info("checkpoint of update %d written to %s", clock, target)
         return clock
 
@@ -286,47 +270,13 @@ class ParameterServer:
         self.protocol.start_at(state.clock)
         self.store.updater.load_momentum(state.momentum)
         self.samples_seen = state.samples
-        self._last_checkpoint = (path, state.clock)
+        self.checkpointer.on_disk(path, state.clock, written=False)
         log.info("resumed from %s: update %d, %d parameters", path, state.clock, state.layout.size)
 
     def _create_store(self, layout: Layout, shard_weights: np.ndarray) -> None:
         """Hold this server's shard of a model with the given (whole) layout."""
         self.layout = layout
         self.store = WeightStore(self.shard.layout(layout), shard_weights, self.kernel, *self._shared_memory())
-
-    def _maybe_checkpoint(self) -> None:
-        """After an update: start a periodic checkpoint when one is due. At most one is written
-        at a time; one falling due meanwhile is written (with the newest state) right after."""
-        every = self.config.checkpoint_every
-        if not every or self.clock % every:
-            return
-        if self._checkpointing is not None and not self._checkpointing.done():
-            self._checkpoint_due = True
-            return
-        self._checkpointing = asyncio.ensure_future(self._periodic_checkpoints())
-
-    async def _periodic_checkpoints(self) -> None:
-        self._checkpoint_due = True
-        while self._checkpoint_due and not self.closing:
-            self._checkpoint_due = False
-            try:
-                await self.checkpoint()
-            except RudraError as exc:
-                self.checkpoints["failed"] += 1
-                log.error("%s (training goes on)", exc)
-
-    async def _final_checkpoint(self) -> None:
-        """On close: wait for a periodic checkpoint in flight, then write the final state
-        unless the newest file already holds it. A failure here is raised."""
-        if self._checkpointing is not None:
-            await self._checkpointing
-        path = self.config.checkpoint
-        if path and self.store is not None and self._last_checkpoint != (path, self.clock):
-            try:
-                await self.checkpoint()
-            except CheckpointError:
-                self.checkpoints["failed"] += 1
-                raise
 
     # -- waiting ------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -366,7 +316,7 @@ class ParameterServer:
         if decision.updates or decision.dropped:
             self._notify()
         if decision.updates:
-            self._maybe_checkpoint()
+            self.checkpointer.after_update(self.clock)
 
     def _apply_batch(self, batch: list[Gradient]) -> None:
         store = self.store

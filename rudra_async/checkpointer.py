@@ -1,0 +1,83 @@
+"""When a server writes its checkpoints: every N updates, one at a time, and at close."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Awaitable, Callable
+
+from .errors import CheckpointError, ConfigError, RudraError
+
+log = logging.getLogger(__name__)
+
+
+def check_writable(path: str) -> None:
+    """Fail at start, not hours into a run, when checkpoints cannot be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"checkpoint directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"checkpoint directory {directory} is not writable")
+    if os.path.isdir(path):
+        raise ConfigError(f"checkpoint path {path} is a directory; give a file name")
+
+
+class Checkpointer:
+    """Schedules a server's checkpoints to ``path``; ``write(path)`` writes one, returns its clock.
+
+    Every ``every`` updates a checkpoint starts in the background. At most one is written at
+    a time; one falling due meanwhile is written right after, with the newest state. A
+    failing periodic checkpoint is logged and counted and training goes on; the final one
+    (:meth:`final`, at close) raises.
+    """
+
+    def __init__(self, path: str | None, every: int | None, write: Callable[[str], Awaitable[int]]) -> None:
+        if path:
+            check_writable(path)
+        self.path, self.every, self._write = path, every, write
+        self.stats: dict[str, Any] = {"path": path, "written": 0, "failed": 0, "clock": None}
+        self._newest: tuple[str, int] | None = None  # (path, clock) of the newest file known
+        self._task: asyncio.Future[None] | None = None
+        self._due = False
+        self._closing = False
+
+    def on_disk(self, path: str, clock: int, written: bool = True) -> None:
+        """Record a checkpoint of ``clock`` at ``path`` (just written, or resumed from)."""
+        self._newest = (path, clock)
+        if written:
+            self.stats.update(written=self.stats["written"] + 1, clock=clock)
+
+    def after_update(self, clock: int) -> None:
+        if not self.every or not self.path or clock % self.every or self._closing:
+            return
+        if self._task is not None and not self._task.done():
+            self._due = True
+            return
+        self._task = asyncio.ensure_future(self._periodic())
+
+    async def _periodic(self) -> None:
+        self._due = True
+        while self._due and not self._closing:
+            self._due = False
+            try:
+                await self._write(self.path or "")
+            except RudraError as exc:
+                self.stats["failed"] += 1
+                log.error("%s (training goes on)", exc)
+
+    async def settled(self) -> None:
+        """Return once no periodic checkpoint is being written."""
+        if self._task is not None:
+            await self._task
+
+    async def final(self, clock: int | None) -> None:
+        """At close: let a periodic checkpoint in flight finish, then write the state at
+        ``clock`` (None: nothing to write) unless the newest file already holds it."""
+        self._closing = True
+        await self.settled()
+        if self.path and clock is not None and self._newest != (self.path, clock):
+            try:
+                await self._write(self.path)
+            except CheckpointError:
+                self.stats["failed"] += 1
+                raise
