@@ -4,8 +4,9 @@ A checkpoint file is one frame of the wire format (``docs/wire.md``) of type CHE
 (9): the 24-byte header, a msgpack metadata map, then two float32 segments, the weights and
 the momentum, of the values the file's shard holds. Metadata keys: ``format`` (1),
 ``clock``, ``layout`` (the whole model's, as in HELLO), ``shard`` ([index, count]),
-``samples``, ``crc32`` (of each segment's bytes), ``saved_at`` (Unix time) and ``info``
-(free-form: the server's settings, for people reading the file).
+``samples``, ``crc32`` (of each segment's bytes), ``saved_at`` (Unix time), ``state``
+(what the server restores besides the arrays: the staleness histogram, the LR policy's
+state) and ``info`` (free-form: the server's settings, for people reading the file).
 
 :func:`save` writes to a temporary file in the same directory, fsyncs it and renames it over
 the target, so a crash at any moment leaves either the old or the new checkpoint, never a
@@ -29,7 +30,7 @@ from .layout import Layout, Shard
 from .wire import HEADER_SIZE, Limits, MsgType, decode_meta, encode_frame, parse_segments, unpack_header
 
 FORMAT = 1
-_LIMITS = Limits(max_body=1 << 62)  # a checkpoint holds two full copies of the model
+_LIMITS = Limits(max_meta=1 << 28, max_body=1 << 62)  # two copies of the model; a long LR-policy window
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Checkpoint:
     info: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
     shard: Shard = field(default_factory=Shard)
+    state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -68,6 +70,7 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         "samples": int(ckpt.samples),
         "crc32": [zlib.crc32(a.view(np.uint8)) for a in arrays],
         "saved_at": time.time(),
+        "state": ckpt.state,
         "info": ckpt.info,
     }
     directory = os.path.dirname(os.path.abspath(path))
@@ -128,8 +131,9 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
         if zlib.crc32(a.view(np.uint8)) != crc:
             raise CheckpointError(f"{path} is corrupt: a segment fails its CRC-32 check")
     clock, samples = _int(meta, "clock"), _int(meta, "samples")
-    info = meta.get("info") if isinstance(meta.get("info"), dict) else {}
-    return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, float(meta.get("saved_at", 0.0)), shard)
+    info, state = (meta.get(k) if isinstance(meta.get(k), dict) else {} for k in ("info", "state"))
+    return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, float(meta.get("saved_at", 0.0)), shard,
+                      state)
 
 
 def _int(meta: dict[str, Any], key: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import ConfigError
 
@@ -24,6 +24,13 @@ class LRPolicy:
 
     def factor(self, sigma: int) -> float:
         raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this policy (JSON-like values); empty if stateless."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state` of a checkpointed run."""
 
 
 class Constant(LRPolicy):
@@ -60,17 +67,29 @@ class MeanStaleness(LRPolicy):
         if window < 0:
             raise ConfigError(f"mean-staleness window must be >= 0, got {window}")
         self.window = window
-        self._recent: deque[int] = deque(maxlen=window or None)
+        self._recent: deque[int] = deque(maxlen=window or None)  # only kept with a window
         self._sum = 0
         self._count = 0
 
     def observe(self, sigma: int) -> None:
-        if self.window and len(self._recent) == self.window:
-            self._sum -= self._recent[0]
-            self._count -= 1
-        self._recent.append(sigma)
+        if self.window:
+            if len(self._recent) == self.window:
+                self._sum -= self._recent[0]
+                self._count -= 1
+            self._recent.append(sigma)
         self._sum += sigma
         self._count += 1
+
+    def state(self) -> dict[str, Any]:
+        return {"sum": self._sum, "count": self._count, "recent": list(self._recent)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        recent = [int(s) for s in state.get("recent", [])][-self.window:] if self.window else []
+        if self.window:  # the window's own sums (the checkpointed run may have had another window)
+            self._recent = deque(recent, maxlen=self.window)
+            self._sum, self._count = sum(recent), len(recent)
+        else:
+            self._sum, self._count = int(state.get("sum", 0)), int(state.get("count", 0))
 
     @property
     def mean(self) -> float:

@@ -23,7 +23,7 @@ import numpy as np
 from . import __version__, checkpoint, kernels, registry, transports
 from .checkpointer import Checkpointer
 from .config import ServerConfig
-from .errors import ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
+from .errors import CheckpointError, ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
 from .layout import Layout, Shard
 from .lr import LRPolicy, Schedule
 from .stats import StalenessHistogram
@@ -248,8 +248,9 @@ class ParameterServer:
             raise ConfigError("no checkpoint path: pass one or configure --checkpoint")
         with store.lease() as (clock, weights):
             assert self.layout is not None
-            state = checkpoint.Checkpoint(self.layout, clock, weights, store.updater.momentum, self.samples_seen,
-                                          self._checkpoint_info(), shard=self.shard)
+            state = checkpoint.Checkpoint(
+                self.layout, clock, weights, store.updater.momentum, self.samples_seen, self._checkpoint_info(),
+                shard=self.shard, state={"staleness": self.staleness.to_dict(), "lr_policy": self.lr_policy.state()})
             await asyncio.to_thread(checkpoint.save, target, state)
         self.checkpointer.on_disk(target, clock)
         log.info("checkpoint of update %d written to %s", clock, target)
@@ -270,6 +271,11 @@ class ParameterServer:
         self.protocol.start_at(state.clock)
         self.store.updater.load_momentum(state.momentum)
         self.samples_seen = state.samples
+        try:
+            self.staleness.load(state.state.get("staleness", {}))
+            self.lr_policy.load_state(state.state.get("lr_policy", {}))
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{path} has a bad 'state' entry: {exc}") from None
         self.checkpointer.on_disk(path, state.clock, written=False)
         log.info("resumed from %s: update %d, %d parameters", path, state.clock, state.layout.size)
 

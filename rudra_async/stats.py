@@ -34,5 +34,9 @@ class StalenessHistogram:
     def to_dict(self) -> dict[str, int]:
         return {str(s): self.counts[s] for s in sorted(self.counts)}
 
+    def load(self, counts: dict[str, int]) -> None:
+        """Continue from :meth:`to_dict` of a checkpointed run."""
+        self.counts = Counter({int(s): int(c) for s, c in counts.items()})
+
     def summary(self) -> dict[str, Any]:
         return {"staleness_mean": self.mean, "staleness_max": self.max, "staleness_histogram": self.to_dict()}

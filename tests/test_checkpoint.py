@@ -131,6 +131,25 @@ async def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     np.testing.assert_array_equal(resumed, uninterrupted)  # bit for bit: the momentum came back too
 
 
+async def test_resume_keeps_the_staleness_statistics_and_the_mean_staleness_rate(tmp_path):
+    path = str(tmp_path / "run.ckpt")
+    layout = small_layout()
+    grad = np.full(layout.size, 0.01, np.float32)
+    config = dict(protocol="async", lr_policy="mean-staleness", lr=0.05)
+    async with run_server(**config, checkpoint=path) as ps:
+        a, b = [await Client.connect(ps.addresses[0], layout, initial_weights(layout)) for _ in range(2)]
+        for _ in range(5):  # b always pushes on weights one update old: σ = 0, 1, 0, 1, …
+            stamp = (await b.pull()).timestamp
+            await a.push(grad, ps.clock)
+            await b.push(grad, stamp)
+        before = (ps.stats()["staleness_histogram"], ps.lr_policy.mean)
+        await a.close()
+        await b.close()
+    assert before[0] == {"0": 5, "1": 5} and before[1] == 0.5
+    async with run_server(**config, resume=path) as ps:
+        assert (ps.stats()["staleness_histogram"], ps.lr_policy.mean) == before
+
+
 async def test_periodic_checkpoints_hold_the_weights_of_their_update(tmp_path):
     """Written every 3 updates while pushes go on; each file is the state at its own clock."""
     path = tmp_path / "run.ckpt"

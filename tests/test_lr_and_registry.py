@@ -89,3 +89,15 @@ async def test_example_plugin_drives_a_real_server():
         await a.push(g, 1)  # clock 1: σ = 1, 0, 0 → factors 0.5, 1, 1
         np.testing.assert_allclose(ps.store.weights, -(1.0 + 2.5 / 3))
         await a.close()
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_mean_staleness_state_survives_a_checkpoint(window):
+    run = MeanStaleness(window)
+    for sigma in [4, 0, 2, 7, 1]:
+        run.observe(sigma)
+    resumed = MeanStaleness(window)
+    resumed.load_state(run.state())
+    for p in (run, resumed):
+        p.observe(3)
+    assert resumed.mean == run.mean == (pytest.approx((7 + 1 + 3) / 3) if window else pytest.approx(17 / 6))
