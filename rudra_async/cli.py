@@ -200,6 +200,41 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
 
 
 @main.command()
+@click.option("--rendezvous", required=True, type=click.Path(file_okay=False),
+              help="A directory every task of the job can read and write (shared filesystem).")
+@click.option("--servers", type=int, default=1, show_default=True, help="Ranks 0..S-1 serve the S shards; the rest learn.")
+@server_options
+@click.option("--max-updates", type=int, default=None, help="End the run after this many updates.")
+@click.option("--rank", type=int, default=None, help="This task's rank (default: from Slurm, MPI, torchrun, …).")
+@click.option("--world-size", type=int, default=None, help="Tasks in the job (default: from the environment).")
+@click.option("--job-id", default=None, help="Names this job's files in the rendezvous directory (default: from the environment).")
+@click.option("--advertise", default=None, help="Host name or address learners use to reach this server (default: hostname).")
+@click.option("--listen-host", default="0.0.0.0", show_default=True)
+@click.option("--port", type=int, default=0, show_default=True, help="Server port (0: any free port, published).")
+@click.option("--wait", type=float, default=300.0, show_default=True, help="Seconds a learner waits for the servers.")
+@click.option("--model", default="mlp", show_default=True)
+@click.option("--dataset", default="digits", show_default=True)
+@click.option("--batch-size", "-b", type=int, default=32, show_default=True)
+@click.option("--steps", type=int, default=None, help="Gradients each learner pushes (default: until the servers stop).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=1, show_default=True)
+@click.option("--reconnect", type=float, default=0.0, show_default=True)
+def launch(max_updates: int | None, **kwargs: Any) -> None:
+    """Run one task of a job started by a cluster engine (srun, mpirun, torchrun, Kubernetes):
+    by its rank, a shard server or a learner. Prints its result as one JSON line."""
+    from .launch import LaunchConfig, launch as run_launch
+
+    server = pop_server_config(kwargs)
+    server.max_updates = max_updates
+    learner = {k: kwargs.pop(k) for k in ("model", "dataset", "batch_size", "steps", "seed", "threads", "reconnect")}
+    try:
+        result = run_launch(LaunchConfig(server=server.validate(), learner=learner, **kwargs))
+    except RudraError as exc:
+        _fail(exc)
+    click.echo(json.dumps(result))
+
+
+@main.command()
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--model", default="mlp", show_default=True, help="The model the checkpoint was trained with.")
 @click.option("--dataset", default="digits", show_default=True)

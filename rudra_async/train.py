@@ -14,6 +14,7 @@ from .config import ServerConfig
 from .errors import ConfigError, RudraError
 from .server import ParameterServer
 from .transports import transport_for
+from .transports.base import format_host_port
 
 
 @dataclass
@@ -54,8 +55,7 @@ class TrainConfig:
         """Where the run's server listens: a fresh name or port on this machine."""
         if self.transport == "shm":
             return "shm://"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.transport}://{host}:0"
+        return format_host_port(self.transport, self.host, 0)
 
     def steps_per_learner(self, n_train: int) -> int | None:
         """Epochs count samples over all learners: each does epochs·N/(λμ) steps."""

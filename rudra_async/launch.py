@@ -1,0 +1,169 @@
+"""Run a job under an existing cluster engine.
+
+Start the same command as every task of a job — ``srun rudra-async launch …`` under Slurm,
+``mpirun``, ``torchrun``, or one pod per rank on Kubernetes — and each process takes its
+role from its rank: ranks 0…S−1 become the S shard servers, the others learners (learner
+index = rank − S). Servers publish their address in a rendezvous directory that every task
+can read (a shared filesystem); learners wait for all S addresses, then train. A server
+ends once every learner of the job has joined and left (or on SIGTERM); the job's results
+are each process's JSON line on stdout.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from .checkpointer import check_writable
+from .config import ServerConfig
+from .errors import ConfigError, RudraError
+from .layout import Shard
+from .transports.base import format_host_port, parse_host_port
+
+log = logging.getLogger(__name__)
+
+#: (engine, rank variable, size variable), the first one set wins
+ENGINES = (
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("pmi", "PMI_RANK", "PMI_SIZE"),
+    ("torchrun", "RANK", "WORLD_SIZE"),
+)
+JOB_ID_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid")
+
+
+def rank_from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
+    """(rank, world size, engine name) from a cluster engine's environment variables."""
+    for engine, rank_var, size_var in ENGINES:
+        if rank_var in env and size_var in env:
+            try:
+                rank, size = int(env[rank_var]), int(env[size_var])
+            except ValueError:
+                raise ConfigError(f"{rank_var}={env[rank_var]!r} / {size_var}={env[size_var]!r} are not integers") from None
+            return rank, size, engine
+    known = ", ".join(f"{r}/{s}" for _, r, s in ENGINES)
+    raise ConfigError(f"no cluster rank in the environment ({known}); pass --rank and --world-size")
+
+
+@dataclass
+class LaunchConfig:
+    """One process of a launched job. ``server`` configures every shard server (its listen
+    address and shard are set per rank); ``learner`` holds the learners' options."""
+
+    rendezvous: str
+    servers: int = 1
+    rank: int | None = None  # None: from the environment
+    world_size: int | None = None
+    job_id: str | None = None  # None: from the environment, else "job"
+    advertise: str | None = None  # the host name learners use to reach this server (default: hostname)
+    listen_host: str = "0.0.0.0"
+    port: int = 0  # 0: any free port
+    wait: float = 300.0  # how long a learner waits for every server's address
+    server: ServerConfig = field(default_factory=ServerConfig)
+    learner: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self, env: Mapping[str, str] = os.environ) -> "LaunchConfig":
+        """Fill rank, world size and job id from the environment; check the combination."""
+        cfg = replace(self)
+        if cfg.rank is None or cfg.world_size is None:
+            cfg.rank, cfg.world_size, engine = rank_from_env(env)
+            log.info("rank %d of %d (from %s)", cfg.rank, cfg.world_size, engine)
+        if cfg.job_id is None:
+            cfg.job_id = next((env[v] for v in JOB_ID_VARS if env.get(v)), "job")
+        if not 1 <= cfg.servers < cfg.world_size:
+            raise ConfigError(f"need 1 <= servers < world size (some learners), got {cfg.servers} of {cfg.world_size}")
+        if not 0 <= cfg.rank < cfg.world_size:
+            raise ConfigError(f"rank {cfg.rank} is outside a world of {cfg.world_size}")
+        if not os.path.isdir(cfg.rendezvous):
+            raise ConfigError(f"rendezvous directory {cfg.rendezvous} does not exist (it must be shared by all tasks)")
+        if cfg.server.checkpoint and cfg.servers > 1 and "{shard}" not in cfg.server.checkpoint:
+            raise ConfigError("with several servers, put {shard} in --checkpoint (each shard writes its own file)")
+        return cfg
+
+    @property
+    def learners(self) -> int:
+        assert self.world_size is not None
+        return self.world_size - self.servers
+
+    def address_file(self, shard: int) -> str:
+        return os.path.join(self.rendezvous, f"{self.job_id}.shard{shard}.url")
+
+
+def launch(cfg: LaunchConfig) -> dict[str, Any]:
+    """Run this process's role; returns its result (server statistics or learner summary)."""
+    cfg = cfg.resolve()
+    assert cfg.rank is not None
+    if cfg.rank < cfg.servers:
+        from .eventloop import run
+
+        return {"role": "server", "rank": cfg.rank, **run(serve_shard(cfg, Shard(cfg.rank, cfg.servers)))}
+    from .learner import LearnerConfig, run_learner
+
+    index = cfg.rank - cfg.servers
+    urls = wait_for_servers(cfg)
+    summary = run_learner(LearnerConfig(connect=",".join(urls), index=index, **cfg.learner))
+    return {"role": "learner", "rank": cfg.rank, "index": index, **summary}
+
+
+async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
+    """Serve one shard until every learner of the job has joined and left (or SIGTERM)."""
+    from .server import ParameterServer
+
+    checkpoint = cfg.server.checkpoint.replace("{shard}", str(shard.index)) if cfg.server.checkpoint else None
+    if checkpoint:
+        check_writable(checkpoint)
+    server_cfg = replace(cfg.server, listen=[format_host_port("tcp", cfg.listen_host, cfg.port)], shard=shard,
+                         checkpoint=checkpoint)
+    path = cfg.address_file(shard.index)
+    async with ParameterServer(server_cfg) as ps:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, ps.request_close)
+        _, port = parse_host_port(ps.addresses[0], "tcp")
+        _publish(path, format_host_port("tcp", cfg.advertise or socket.gethostname(), port))
+        try:
+            while not ps.closing:
+                if len(ps.learners) >= cfg.learners and not any(l.connected for l in ps.learners.values()):
+                    break  # every learner of the job came and went
+                await asyncio.sleep(0.1)
+        finally:
+            _unpublish(path)
+    return ps.stats()
+
+
+def wait_for_servers(cfg: LaunchConfig) -> list[str]:
+    """Every shard server's address, in shard order, once all are published."""
+    deadline = time.monotonic() + cfg.wait
+    paths = [cfg.address_file(i) for i in range(cfg.servers)]
+    while True:
+        missing = [p for p in paths if not os.path.exists(p)]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise RudraError(f"servers did not publish their addresses within {cfg.wait:g} s: missing {missing}",
+                             code="rendezvous")
+        time.sleep(0.1)
+    urls = []
+    for p in paths:
+        with open(p) as fh:
+            urls.append(fh.read().strip())
+    return urls
+
+
+def _publish(path: str, url: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(url + "\n")
+    os.replace(tmp, path)  # learners never read half a file
+
+
+def _unpublish(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,89 @@
+"""`rudra-async launch`: every task of a cluster job takes its role from its rank."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from rudra_async import ConfigError
+from rudra_async.launch import LaunchConfig, rank_from_env
+from rudra_async.config import ServerConfig
+
+from helpers import CLI_ARGS, subprocess_env
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "8"}, (3, 8, "slurm")),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, (1, 4, "openmpi")),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, (0, 2, "pmi")),
+    ({"RANK": "5", "WORLD_SIZE": "6"}, (5, 6, "torchrun")),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "RANK": "0", "WORLD_SIZE": "1"}, (2, 4, "slurm")),
+])
+def test_rank_comes_from_the_cluster_engine(env, expected):
+    assert rank_from_env(env) == expected
+
+
+def test_bad_launch_settings_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no cluster rank in the environment"):
+        rank_from_env({"SLURM_PROCID": "1"})
+    with pytest.raises(ConfigError, match="not integers"):
+        rank_from_env({"RANK": "x", "WORLD_SIZE": "2"})
+    ok = dict(rendezvous=str(tmp_path), rank=0, world_size=3)
+    with pytest.raises(ConfigError, match="need 1 <= servers < world size"):
+        LaunchConfig(**{**ok, "servers": 3}).resolve({})
+    with pytest.raises(ConfigError, match="does not exist"):
+        LaunchConfig(**{**ok, "rendezvous": str(tmp_path / "nope")}).resolve({})
+    with pytest.raises(ConfigError, match=r"put \{shard\} in --checkpoint"):
+        LaunchConfig(**ok, servers=2, server=ServerConfig(checkpoint=str(tmp_path / "c.ckpt"))).resolve({})
+    assert LaunchConfig(**ok).resolve({"SLURM_JOB_ID": "77"}).job_id == "77"
+
+
+def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTASKS")):
+    """Start ``world`` tasks as a cluster engine would (same command, rank in the environment)."""
+    rank_var, size_var = engine
+    procs = []
+    for rank in range(world):
+        env = {**subprocess_env(), rank_var: str(rank), size_var: str(world), "SLURM_JOB_ID": "4242"}
+        procs.append(subprocess.Popen(
+            [*CLI_ARGS, "launch", "--rendezvous", str(tmp_path), "--servers", str(servers), "--advertise", "127.0.0.1",
+             "--listen-host", "127.0.0.1", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return results
+
+
+def test_a_slurm_job_of_two_shard_servers_and_two_learners_trains_and_ends(tmp_path):
+    checkpoint = str(tmp_path / "ckpt-{shard}")
+    results = run_job(tmp_path, 4, 2, "--max-updates", "200", "--checkpoint", checkpoint)
+    servers, learners = results[:2], results[2:]
+    assert [r["role"] for r in results] == ["server", "server", "learner", "learner"]
+    assert [s["shard"] for s in servers] == ["0/2", "1/2"] and all(s["updates"] == 200 for s in servers)
+    assert sorted(l["index"] for l in learners) == [0, 1]
+    assert 198 <= sum(l["steps"] for l in learners) <= 200  # a push racing the stop may count on one shard only
+    assert all(l["test_accuracy"] > 0.5 for l in learners)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0", "ckpt-1"]  # addresses unpublished, checkpoints written
+    run = subprocess.run([*CLI_ARGS, "evaluate", str(tmp_path / "ckpt-0"), str(tmp_path / "ckpt-1"), "--json"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert run.returncode == 0 and json.loads(run.stdout)["clocks"] == [200, 200], run.stderr
+
+
+def test_a_torchrun_job_with_one_server_and_learner_steps(tmp_path):
+    results = run_job(tmp_path, 3, 1, "--steps", "30", engine=("RANK", "WORLD_SIZE"))
+    assert results[0]["role"] == "server" and results[0]["updates"] == 60  # two learners × 30, async
+    assert [r["steps"] for r in results[1:]] == [30, 30]
+
+
+def test_a_learner_gives_up_when_no_server_appears(tmp_path):
+    env = {**subprocess_env(), "RANK": "1", "WORLD_SIZE": "2"}
+    run = subprocess.run([*CLI_ARGS, "launch", "--rendezvous", str(tmp_path), "--wait", "1"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 2 and "did not publish their addresses within 1 s" in run.stderr
