@@ -82,14 +82,17 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
                 f.write(buf)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp made it 0600; give it the permissions open() would
+        with contextlib.suppress(OSError):  # mkstemp made it 0600; give it what open() would
+            os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
         _fsync_directory(directory)
-    except OSError as exc:
-        if tmp is not None:
+    except BaseException as exc:
+        if tmp is not None:  # never leave a model-sized temporary behind
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
+        raise
 
 
 def load(path: str | os.PathLike[str]) -> Checkpoint:
@@ -132,8 +135,9 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
             raise CheckpointError(f"{path} is corrupt: a segment fails its CRC-32 check")
     clock, samples = _int(meta, "clock"), _int(meta, "samples")
     info, state = (meta.get(k) if isinstance(meta.get(k), dict) else {} for k in ("info", "state"))
-    return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, float(meta.get("saved_at", 0.0)), shard,
-                      state)
+    saved_at = meta.get("saved_at", 0.0)
+    saved_at = float(saved_at) if isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool) else 0.0
+    return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, saved_at, shard, state)
 
 
 def _int(meta: dict[str, Any], key: str) -> int:

@@ -40,16 +40,21 @@ class Checkpointer:
         self._task: asyncio.Future[None] | None = None
         self._due = False
         self._closing = False
+        self._last_period = 0  # clock // every when the last periodic checkpoint fell due
 
     def on_disk(self, path: str, clock: int, written: bool = True) -> None:
         """Record a checkpoint of ``clock`` at ``path`` (just written, or resumed from)."""
         self._newest = (path, clock)
+        if self.every:
+            self._last_period = max(self._last_period, clock // self.every)
         if written:
             self.stats.update(written=self.stats["written"] + 1, clock=clock)
 
     def after_update(self, clock: int) -> None:
-        if not self.every or not self.path or clock % self.every or self._closing:
+        """Called after every decision that applied updates (the clock may have moved by several)."""
+        if not self.every or not self.path or self._closing or clock // self.every <= self._last_period:
             return
+        self._last_period = clock // self.every
         if self._task is not None and not self._task.done():
             self._due = True
             return
@@ -61,9 +66,9 @@ class Checkpointer:
             self._due = False
             try:
                 await self._write(self.path or "")
-            except RudraError as exc:
+            except Exception as exc:  # a failed periodic checkpoint must not stop training
                 self.stats["failed"] += 1
-                log.error("%s (training goes on)", exc)
+                log.error("checkpoint failed: %s (training goes on)", exc, exc_info=not isinstance(exc, RudraError))
 
     async def settled(self) -> None:
         """Return once no periodic checkpoint is being written."""

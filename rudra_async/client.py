@@ -8,6 +8,7 @@ the server's stable code.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import time
@@ -22,6 +23,8 @@ from .eventloop import new_runner
 from .layout import Layout, Shard
 from .transports.base import Connection
 from .wire import Frame, Limits, MsgType
+
+log = logging.getLogger(__name__)
 
 
 Stamp = Union[int, Tuple[int, ...]]  # a server clock; one per shard for a sharded group
@@ -272,18 +275,20 @@ class SyncClient:
 
     def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
         self._runner = new_runner()
-        self._connect_args = (url, layout, initial, kwargs)
+        kept = None if initial is None else np.array(initial, np.float32, copy=True)  # for a restarted server
+        self._connect_args = (url, layout, kept, kwargs)
         try:
             self._client = self._runner.run(connect(url, layout, initial, **kwargs))
         except BaseException:
             self._runner.close()
             raise
 
-    def reconnect(self, within: float, retry_every: float = 0.5) -> None:
-        """After losing the server: connect and say hello again, retrying until ``within``
-        seconds have passed (then the last error is raised). The weights buffer is kept;
-        ``initial`` is sent again (a restarted server without weights starts from it).
-        The learner id may change; pull before pushing again."""
+    def reconnect(self, within: float, retry_every: float = 0.5) -> Weights:
+        """After losing the server: connect, say hello and pull again, retrying until
+        ``within`` seconds have passed (then the last error is raised); returns the pulled
+        weights. The weights buffer is kept; the initial weights given at construction are
+        sent again (a server restarted without a checkpoint starts from them). The learner
+        id may change."""
         url, layout, initial, kwargs = self._connect_args
         buffer = self._client.weights
         self._runner.run(self._client.close())
@@ -291,12 +296,15 @@ class SyncClient:
         while True:
             try:
                 self._client = self._runner.run(connect(url, layout, initial, **kwargs))
+                self._client.weights = buffer
+                weights = self.pull()
                 break
-            except TransportError:
+            except (TransportError, asyncio.TimeoutError):
                 if time.monotonic() + retry_every > deadline:
                     raise
                 time.sleep(retry_every)
-        self._client.weights = buffer
+        log.warning("reconnected to %s at update %s", url, weights.timestamp)
+        return weights
 
     @property
     def learner_id(self) -> int:

@@ -27,12 +27,14 @@ from .transports.base import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 
-#: (engine, rank variable, size variable), the first one set wins
+#: (engine, rank variable, size variable), the first one set wins: launchers that run inside
+#: a Slurm allocation (torchrun or mpirun started by srun/sbatch) come before Slurm's own
+#: variables, which such tasks inherit per node
 ENGINES = (
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS"),
+    ("torchrun", "RANK", "WORLD_SIZE"),
     ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ("pmi", "PMI_RANK", "PMI_SIZE"),
-    ("torchrun", "RANK", "WORLD_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS"),
 )
 JOB_ID_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid")
 
@@ -70,7 +72,9 @@ class LaunchConfig:
     def resolve(self, env: Mapping[str, str] = os.environ) -> "LaunchConfig":
         """Fill rank, world size and job id from the environment; check the combination."""
         cfg = replace(self)
-        if cfg.rank is None or cfg.world_size is None:
+        if (cfg.rank is None) != (cfg.world_size is None):
+            raise ConfigError("give both --rank and --world-size, or neither (then they come from the environment)")
+        if cfg.rank is None:
             cfg.rank, cfg.world_size, engine = rank_from_env(env)
             log.info("rank %d of %d (from %s)", cfg.rank, cfg.world_size, engine)
         if cfg.job_id is None:
@@ -111,7 +115,8 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
 
 
 async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
-    """Serve one shard until every learner of the job has joined and left (or SIGTERM)."""
+    """Serve one shard until every learner of the job has joined and left, or none has been
+    connected for ``cfg.wait`` seconds (a learner that never came), or SIGTERM."""
     from .server import ParameterServer
 
     checkpoint = cfg.server.checkpoint.replace("{shard}", str(shard.index)) if cfg.server.checkpoint else None
@@ -126,10 +131,18 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
             loop.add_signal_handler(sig, ps.request_close)
         _, port = parse_host_port(ps.addresses[0], "tcp")
         _publish(path, format_host_port("tcp", cfg.advertise or socket.gethostname(), port))
+        idle_since = time.monotonic()
         try:
             while not ps.closing:
-                if len(ps.learners) >= cfg.learners and not any(l.connected for l in ps.learners.values()):
+                learners = {l.name for l in ps.learners.values()}  # a reconnect says hello again, same name
+                if any(l.connected for l in ps.learners.values()):
+                    idle_since = time.monotonic()
+                elif len(learners) >= cfg.learners:
                     break  # every learner of the job came and went
+                elif time.monotonic() - idle_since > cfg.wait:
+                    log.warning("shard %s: %d of %d learners came; none connected for %g s, ending", shard,
+                                len(learners), cfg.learners, cfg.wait)
+                    break
                 await asyncio.sleep(0.1)
         finally:
             _unpublish(path)
@@ -137,29 +150,48 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
 
 
 def wait_for_servers(cfg: LaunchConfig) -> list[str]:
-    """Every shard server's address, in shard order, once all are published."""
+    """Every shard server's address, in shard order, once all are published and accept
+    connections (a file left by a dead server of an earlier run is waited past)."""
     deadline = time.monotonic() + cfg.wait
     paths = [cfg.address_file(i) for i in range(cfg.servers)]
     while True:
-        missing = [p for p in paths if not os.path.exists(p)]
-        if not missing:
-            break
+        urls = [_read_address(p) for p in paths]
+        waiting = [p for p, url in zip(paths, urls) if url is None or not _accepts(url)]
+        if not waiting:
+            return [url for url in urls if url is not None]
         if time.monotonic() > deadline:
-            raise RudraError(f"servers did not publish their addresses within {cfg.wait:g} s: missing {missing}",
+            raise RudraError(f"servers did not publish their addresses within {cfg.wait:g} s: missing {waiting}",
                              code="rendezvous")
-        time.sleep(0.1)
-    urls = []
-    for p in paths:
-        with open(p) as fh:
-            urls.append(fh.read().strip())
-    return urls
+        time.sleep(0.2)
+
+
+def _read_address(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read().strip() or None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RudraError(f"cannot read {path}: {exc.strerror}", code="rendezvous") from None
+
+
+def _accepts(url: str) -> bool:
+    try:
+        host, port = parse_host_port(url, "tcp")
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except (OSError, ConfigError):
+        return False
 
 
 def _publish(path: str, url: str) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(url + "\n")
-    os.replace(tmp, path)  # learners never read half a file
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(url + "\n")
+        os.replace(tmp, path)  # learners never read half a file
+    except OSError as exc:
+        raise RudraError(f"cannot publish this server's address in {path}: {exc.strerror}", code="rendezvous") from None
 
 
 def _unpublish(path: str) -> None:

@@ -139,9 +139,12 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                 if not cfg.reconnect:
                     raise
                 log.warning("lost the server (%s); reconnecting for up to %g s", exc, cfg.reconnect)
-                client.reconnect(cfg.reconnect)  # this gradient is lost with the connection
+                last = w.timestamp
+                w = client.reconnect(cfg.reconnect)  # this gradient is lost with the connection
                 reconnects += 1
-                w = client.pull()
+                if w.timestamp < last:
+                    log.warning("the server's clock went back from %s to %s: it restarted without its checkpoint",
+                                last, w.timestamp)
                 continue
             steps += 1
         learner_id = client.learner_id

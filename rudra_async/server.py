@@ -393,7 +393,10 @@ class ParameterServer:
                                code="shard_mismatch")
         if self.store is None:
             arrays = frame.arrays
-            lo, hi = self.shard.range(layout.size)
+            try:
+                lo, hi = self.shard.range(layout.size)
+            except ConfigError as exc:
+                raise RequestError(str(exc), code="bad_layout") from None
             if len(arrays) != 1 or arrays[0].dtype != np.float32 or arrays[0].size != hi - lo:
                 raise RequestError(
                     "the server has no weights yet: the first hello must carry the initial weights "

@@ -14,6 +14,7 @@ import pytest
 
 from rudra_async import CheckpointError, ConfigError, ParameterServer, ServerConfig
 from rudra_async import checkpoint as ckpt
+from rudra_async.checkpointer import Checkpointer
 from rudra_async.client import Client
 from rudra_async.wire import MsgType, encode_frame
 
@@ -186,6 +187,29 @@ async def test_a_failing_checkpoint_does_not_stop_training_but_close_reports_it(
     finally:
         with pytest.raises(CheckpointError, match="cannot write checkpoint"):
             await ps.close()
+
+
+async def test_checkpoints_fall_due_even_when_the_clock_jumps_and_survive_odd_failures():
+    written = []
+
+    async def write(path):
+        if not written:
+            written.append(None)
+            raise TypeError("a plugin's state is not serializable")
+        written.append(path)
+        return 0
+
+    schedule = Checkpointer("x.ckpt", 10, write)
+    for clock in (9, 11):  # one decision applied two batches: 9 -> 11 passes the multiple 10
+        schedule.after_update(clock)
+    await schedule.settled()
+    assert schedule.stats["failed"] == 1  # logged and counted; training goes on
+    schedule.after_update(12)  # same period: nothing new falls due
+    schedule.after_update(21)
+    await schedule.settled()
+    assert written == [None, "x.ckpt"]
+    await schedule.final(21)  # still writes the final one
+    assert written == [None, "x.ckpt", "x.ckpt"]
 
 
 def test_bad_checkpoint_settings_fail_before_serving(tmp_path):

@@ -9,7 +9,7 @@ from rudra_async import ConfigError
 from rudra_async.launch import LaunchConfig, rank_from_env
 from rudra_async.config import ServerConfig
 
-from helpers import CLI_ARGS, subprocess_env
+from helpers import CLI_ARGS, free_port, subprocess_env
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -17,7 +17,8 @@ from helpers import CLI_ARGS, subprocess_env
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, (1, 4, "openmpi")),
     ({"PMI_RANK": "0", "PMI_SIZE": "2"}, (0, 2, "pmi")),
     ({"RANK": "5", "WORLD_SIZE": "6"}, (5, 6, "torchrun")),
-    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "RANK": "0", "WORLD_SIZE": "1"}, (2, 4, "slurm")),
+    # torchrun (or mpirun) started by srun: every task of a node inherits the node's SLURM_PROCID
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "RANK": "5", "WORLD_SIZE": "8"}, (5, 8, "torchrun")),
 ])
 def test_rank_comes_from_the_cluster_engine(env, expected):
     assert rank_from_env(env) == expected
@@ -35,6 +36,8 @@ def test_bad_launch_settings_are_clear_errors(tmp_path):
         LaunchConfig(**{**ok, "rendezvous": str(tmp_path / "nope")}).resolve({})
     with pytest.raises(ConfigError, match=r"put \{shard\} in --checkpoint"):
         LaunchConfig(**ok, servers=2, server=ServerConfig(checkpoint=str(tmp_path / "c.ckpt"))).resolve({})
+    with pytest.raises(ConfigError, match="both --rank and --world-size"):
+        LaunchConfig(rendezvous=str(tmp_path), rank=1).resolve({"RANK": "0", "WORLD_SIZE": "3"})
     assert LaunchConfig(**ok).resolve({"SLURM_JOB_ID": "77"}).job_id == "77"
 
 
@@ -63,6 +66,7 @@ def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTA
 
 def test_a_slurm_job_of_two_shard_servers_and_two_learners_trains_and_ends(tmp_path):
     checkpoint = str(tmp_path / "ckpt-{shard}")
+    (tmp_path / "4242.shard0.url").write_text(f"tcp://127.0.0.1:{free_port()}\n")  # left by a dead server
     results = run_job(tmp_path, 4, 2, "--max-updates", "200", "--checkpoint", checkpoint)
     servers, learners = results[:2], results[2:]
     assert [r["role"] for r in results] == ["server", "server", "learner", "learner"]
@@ -83,7 +87,17 @@ def test_a_torchrun_job_with_one_server_and_learner_steps(tmp_path):
 
 
 def test_a_learner_gives_up_when_no_server_appears(tmp_path):
+    (tmp_path / "job.shard0.url").write_text(f"tcp://127.0.0.1:{free_port()}\n")  # nobody listens there
     env = {**subprocess_env(), "RANK": "1", "WORLD_SIZE": "2"}
     run = subprocess.run([*CLI_ARGS, "launch", "--rendezvous", str(tmp_path), "--wait", "1"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert run.returncode == 2 and "did not publish their addresses within 1 s" in run.stderr
+
+
+def test_a_server_whose_learners_never_come_ends_after_the_wait(tmp_path):
+    env = {**subprocess_env(), "RANK": "0", "WORLD_SIZE": "3"}
+    run = subprocess.run([*CLI_ARGS, "launch", "--rendezvous", str(tmp_path), "--wait", "1", "--listen-host",
+                          "127.0.0.1"], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["updates"] == 0 and "0 of 2 learners came" in run.stderr
+    assert os.listdir(tmp_path) == []

@@ -108,6 +108,16 @@ async def test_a_learner_must_address_the_right_shard():
         assert all(ps.store is None for ps in servers)  # nothing was initialized by the refused hellos
 
 
+async def test_a_model_smaller_than_the_group_is_refused_with_a_reason():
+    async with run_group(3, protocol="async") as (servers, url):
+        tiny = Layout.from_shapes([("w", (2,))])
+        with pytest.raises(ConfigError, match="cannot split 2 parameters into 3 shards"):  # caught by the client
+            await ShardedClient.connect(url.split(","), tiny, np.zeros(2, np.float32))
+        with pytest.raises(RemoteError) as info:  # and by the server, for clients that do not check
+            await Client.connect(url.split(",")[0], tiny, np.zeros(1, np.float32), shard=Shard(0, 3))
+        assert info.value.code == "bad_layout" and "cannot split 2 parameters into 3 shards" in str(info.value)
+
+
 def test_an_embedded_shard_takes_its_part_of_the_initial_weights():
     w = np.arange(10, dtype=np.float32)
     ps = ParameterServer(ServerConfig(shard=Shard(1, 3)), initial={"a": w[:4], "b": w[4:].reshape(2, 3)})
