@@ -183,6 +183,7 @@ async def test_a_failing_checkpoint_does_not_stop_training_but_close_reports_it(
         shutil.rmtree(directory)  # e.g. a volume that went away
         await push_sequence(ps, grads, initial_weights(small_layout()))
         assert ps.clock == 6
+        await ps.checkpointer.settled()
         assert ps.stats()["checkpoint"]["failed"] >= 1 and ps.stats()["checkpoint"]["written"] == 0
     finally:
         with pytest.raises(CheckpointError, match="cannot write checkpoint"):
