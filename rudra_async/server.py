@@ -311,18 +311,29 @@ class ParameterServer:
 
     # -- the update path ----------------------------------------------------------------------
     def _decide(self, decision: Decision) -> None:
-        """Carry out a protocol decision: apply its batches in order, count its drops."""
+        """Carry out a protocol decision: apply its batches in order, count its drops. Once the
+        run has stopped, batches still released (gradients a protocol held) are not applied:
+        their pushes are answered ``dropped`` and counted under ``rejected["stopped"]``."""
         for batch in decision.updates:
-            self._apply_batch(batch)
+            if self.stopped:
+                for g in batch:
+                    self._drop(g)
+                    self._reject("stopped")
+            else:
+                self._apply_batch(batch)
         for g in decision.dropped:
-            pending: _Pending = g.payload
-            pending.outcome = "dropped"
-            pending.frame.release()
+            self._drop(g)
             self.learners[g.learner].dropped += 1
         if decision.updates or decision.dropped:
             self._notify()
         if decision.updates:
             self.checkpointer.after_update(self.clock)
+
+    @staticmethod
+    def _drop(g: Gradient) -> None:
+        pending: _Pending = g.payload
+        pending.outcome = "dropped"
+        pending.frame.release()
 
     def _apply_batch(self, batch: list[Gradient]) -> None:
         store = self.store

@@ -86,3 +86,27 @@ async def test_hardsync_newcomer_waits_for_the_round_and_counts_from_the_next():
         assert ps.stats()["learners"][str(c.learner_id)]["gradients"] == 1
         for x in (a, b, c):
             await x.close()
+
+
+async def test_gradients_held_when_the_run_stops_are_not_applied():
+    """bounded(s=0) holds a push until every learner has pushed; if the run stops meanwhile
+    and the other learner leaves, the held gradient is answered `dropped`, not applied."""
+    layout = Layout.from_shapes([("w", (4,))])
+    g = np.ones(4, np.float32)
+    async with run_server(protocol="bounded", staleness_bound=0, lr=0.1, momentum=0.0) as ps:
+        a = await Client.connect(ps.addresses[0], layout, np.zeros(4, np.float32))
+        b = await Client.connect(ps.addresses[0], layout)
+        wa, wb = await a.pull(), await b.pull()
+        await asyncio.gather(a.push(g, wa.timestamp), b.push(g, wb.timestamp))  # one round: clock 1
+        wa, wb = await a.pull(), await b.pull()
+        held = asyncio.create_task(a.push(g, wa.timestamp))
+        await asyncio.sleep(0.1)
+        assert not held.done() and ps.clock == 1  # held: b still computes on clock 1
+        ps.stop_at(1)
+        weights = ps.weights()["w"]
+        await b.close()  # b leaves: the protocol releases a's gradient
+        ack = await asyncio.wait_for(held, 5)
+        assert (ack.status, ack.stop, ps.clock) == ("dropped", True, 1)
+        np.testing.assert_array_equal(ps.weights()["w"], weights)
+        assert ps.stats()["rejected"] == {"stopped": 1}
+        await a.close()
