@@ -173,6 +173,8 @@ def learner(as_json: bool, **kwargs: Any) -> None:
 @click.option("--model", default="mlp", show_default=True)
 @click.option("--dataset", default="digits", show_default=True)
 @click.option("--transport", default="tcp", show_default=True, help="tcp, shm (same host), or a plugin's scheme (ucx).")
+@click.option("--shards", type=int, default=1, show_default=True,
+              help="Shard servers (in this process), each holding one part of the parameters.")
 @click.option("--results", type=click.Path(dir_okay=False, writable=True), default=None, help="Write results JSON here.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 def train(results: str | None, quiet: bool, **kwargs: Any) -> None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from .checkpointer import check_writable
+from .checkpointer import shard_path
 from .config import ServerConfig
 from .errors import ConfigError, RudraError
 from .layout import Shard
@@ -85,8 +85,7 @@ class LaunchConfig:
             raise ConfigError(f"rank {cfg.rank} is outside a world of {cfg.world_size}")
         if not os.path.isdir(cfg.rendezvous):
             raise ConfigError(f"rendezvous directory {cfg.rendezvous} does not exist (it must be shared by all tasks)")
-        if cfg.server.checkpoint and cfg.servers > 1 and "{shard}" not in cfg.server.checkpoint:
-            raise ConfigError("with several servers, put {shard} in --checkpoint (each shard writes its own file)")
+        shard_path(cfg.server.checkpoint, Shard(0, cfg.servers))
         return cfg
 
     @property
@@ -119,9 +118,7 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
     connected for ``cfg.wait`` seconds (a learner that never came), or SIGTERM."""
     from .server import ParameterServer
 
-    checkpoint = cfg.server.checkpoint.replace("{shard}", str(shard.index)) if cfg.server.checkpoint else None
-    if checkpoint:
-        check_writable(checkpoint)
+    checkpoint = shard_path(cfg.server.checkpoint, shard)
     server_cfg = replace(cfg.server, listen=[format_host_port("tcp", cfg.listen_host, cfg.port)], shard=shard,
                          checkpoint=checkpoint)
     path = cfg.address_file(shard.index)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -10,7 +11,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
+import numpy as np
+
+from .checkpointer import shard_path
 from .config import ServerConfig
+from .layout import Shard
 from .errors import ConfigError, RudraError
 from .server import ParameterServer
 from .transports import transport_for
@@ -34,6 +39,7 @@ class TrainConfig:
     host: str = "127.0.0.1"
     learner_threads: int = 1
     timeout: float = 900.0  # the whole run; learners are killed past it
+    shards: int = 1  # servers in the group, each holding one part of the parameters (all in this process)
 
     def validate(self) -> "TrainConfig":
         if self.learners < 1:
@@ -41,14 +47,18 @@ class TrainConfig:
         self.server.validate().check_learners(self.learners)
         if getattr(transport_for(self.listen_url()), "IN_PROCESS", False):
             raise ConfigError(f"transport {self.transport!r} cannot reach learner processes; use tcp, shm or ucx")
+        if self.shards < 1:
+            raise ConfigError(f"need at least one shard, got {self.shards}")
+        shard_path(self.server.checkpoint, Shard(0, self.shards))
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if self.updates is None and not self.epochs > 0:
             raise ConfigError(f"epochs must be > 0, got {self.epochs}")
         return self
 
-    def server_config(self, listen: str, n_train: int) -> ServerConfig:
-        return replace(self.server, listen=[listen], max_updates=self.updates,
+    def server_config(self, listen: str, n_train: int, shard: Shard = Shard()) -> ServerConfig:
+        return replace(self.server, listen=[listen], max_updates=self.updates, shard=shard,
+                       checkpoint=shard_path(self.server.checkpoint, shard),
                        samples_per_epoch=self.server.samples_per_epoch or n_train)
 
     def listen_url(self) -> str:
@@ -80,11 +90,13 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     cfg.validate()
     dataset = datasets.load(cfg.dataset)
     steps = cfg.steps_per_learner(len(dataset.y_train))
-    server_cfg = cfg.server_config(cfg.listen_url(), len(dataset.y_train))
     started = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.learner_threads), "MKL_NUM_THREADS": str(cfg.learner_threads)}
-    async with ParameterServer(server_cfg) as server:
-        url = server.addresses[0]
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(ParameterServer(
+            cfg.server_config(cfg.listen_url(), len(dataset.y_train), Shard(i, cfg.shards)))) for i in range(cfg.shards)]
+        server = servers[0]  # progress, statistics and timing come from shard 0
+        url = ",".join(s.addresses[0] for s in servers)
         procs = [
             await asyncio.create_subprocess_exec(*learner_command(cfg, url, i, steps), stdout=asyncio.subprocess.PIPE, env=env)
             for i in range(cfg.learners)
@@ -107,18 +119,21 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
             raise RudraError(f"every learner failed (exit codes {[p.returncode for p in procs]})")
         summaries = [json.loads(out.decode().strip().splitlines()[-1]) for (out, _), p in zip(outputs, procs) if p.returncode == 0]
         train_s = (server.last_update_at or started) - (server.first_update_at or started)
-        results = summarize(cfg, server, dataset)
+        weights = np.concatenate([s.store.weights for s in servers])  # type: ignore[union-attr]
+        results = summarize(cfg, server, dataset, weights)
     return {**results, "mode": "processes", "wall_s": wall, "train_s": train_s,
             "samples_per_s": server.samples_seen / train_s if train_s > 0 else 0.0,
             "learners_failed": failed, "learner_summaries": summaries}
 
 
-def summarize(cfg: TrainConfig, server: ParameterServer, dataset: Any) -> dict[str, Any]:
-    """The results of a finished run: configuration, final test accuracy, statistics."""
+def summarize(cfg: TrainConfig, server: ParameterServer, dataset: Any,
+              weights: np.ndarray | None = None) -> dict[str, Any]:
+    """The results of a finished run: configuration, final test accuracy, statistics.
+    ``weights``: the whole model's (default: the server's; a shard group's, joined)."""
     from .learner import FlatModel, build_model, evaluate
 
     model = build_model(cfg.model, dataset, cfg.seed)
-    FlatModel(model).load(server.store.weights)  # type: ignore[union-attr]
+    FlatModel(model).load(server.store.weights if weights is None else weights)  # type: ignore[union-attr]
     accuracy, test_loss = evaluate(model, dataset.x_test, dataset.y_test)
     stats = server.stats()
     return {
@@ -128,6 +143,7 @@ def summarize(cfg: TrainConfig, server: ParameterServer, dataset: Any) -> dict[s
         "lr_policy": cfg.server.lr_policy,
         "lr": cfg.server.lr,
         "learners": cfg.learners,
+        "shards": cfg.shards,
         "batch_size": cfg.batch_size,
         "dataset": cfg.dataset,
         "model": cfg.model,

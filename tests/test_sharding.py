@@ -172,3 +172,17 @@ def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
     run = subprocess.run([*CLI_ARGS, "server", "--listen", f"tcp://127.0.0.1:{free_port()}", "--shard", "1/2",
                           "--resume", str(ckpts[0])], capture_output=True, text=True, env=env, timeout=60)
     assert run.returncode == 2 and "holds shard 0/2, but this server is shard 1/2" in run.stderr
+
+
+def test_train_with_a_shard_group_gives_the_accuracy_of_its_joined_checkpoints(tmp_path):
+    results, ckpt = tmp_path / "r.json", str(tmp_path / "part-{shard}.ckpt")
+    run = subprocess.run([*CLI_ARGS, "train", "-q", "--shards", "2", "-l", "2", "--protocol", "hardsync", "--updates",
+                          "60", "--checkpoint", ckpt, "--results", str(results)], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=180)
+    assert run.returncode == 0, run.stderr
+    res = json.loads(results.read_text())
+    assert res["shards"] == 2 and res["updates"] == 60 and res["staleness_max"] == 0
+    run = subprocess.run([*CLI_ARGS, "evaluate", ckpt.replace("{shard}", "1"), ckpt.replace("{shard}", "0"), "--json"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["test_accuracy"] == res["test_accuracy"]
