@@ -36,7 +36,7 @@ from .errors import ConfigError
 from .eventloop import run as run_loop
 from .train import TrainConfig
 
-TRAIN_KEYS = {"learners", "batch_size", "epochs", "updates", "seed", "model", "dataset", "transport"}
+TRAIN_KEYS = {"learners", "batch_size", "epochs", "updates", "seed", "model", "dataset", "transport", "shards"}
 SERVER_KEYS = {"protocol", "n", "staleness_bound", "backup", "lr", "momentum", "weight_decay", "nesterov",
                "lr_policy", "mean_staleness_window", "warmup", "lr_decay_at", "lr_decay", "lr_decay_unit",
                "lr_scale_ref_batch", "kernel"}
@@ -76,6 +76,8 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
             point.setdefault("group", f"runs{i}")
             if point["mode"] not in ("simulated", "processes"):
                 raise ConfigError(f"runs[{i}]: mode must be 'simulated' or 'processes', got {point['mode']!r}")
+            if point["mode"] == "simulated" and point.get("shards", 1) != 1:
+                raise ConfigError(f"runs[{i}]: shards need mode = 'processes' (the simulation runs one server)")
             to_config(point)  # validate now, not an hour into the sweep
             points.append(point)
     if not points:

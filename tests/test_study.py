@@ -75,6 +75,9 @@ def test_spec_expansion_and_errors(tmp_path):
         expand({"runs": [{"protocol": "softsync", "learners": 2, "n": 4}]})
     with pytest.raises(ConfigError, match="no \\[\\[runs\\]\\]"):
         expand({})
+    with pytest.raises(ConfigError, match="shards need mode = 'processes'"):
+        expand({"runs": [{"grid": {"shards": [1, 2]}}]})
+    assert [p["shards"] for p in expand({"runs": [{"mode": "processes", "grid": {"shards": [1, 2]}}]})] == [1, 2]
     bad = tmp_path / "bad.toml"
     bad.write_text("[study\n")
     with pytest.raises(ConfigError):
