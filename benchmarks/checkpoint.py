@@ -24,15 +24,7 @@ import numpy as np
 from rudra_async import ParameterServer, ServerConfig
 from rudra_async import checkpoint as ckpt
 from rudra_async.layout import Layout
-
-
-def median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
 
 def raw_write(path: str, arrays: list[np.ndarray]) -> None:
@@ -49,9 +41,9 @@ def file_costs(n: int, reps: int, directory: str) -> None:
     w, v = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     state = ckpt.Checkpoint(layout, 1, w, v)
     path = os.path.join(directory, "bench.ckpt")
-    base = median_time(lambda: raw_write(path + ".raw", [w, v]), reps)
-    save = median_time(lambda: ckpt.save(path, state), reps)
-    load = median_time(lambda: ckpt.load(path), reps)
+    base = median_time(lambda: raw_write(path + ".raw", [w, v]), reps, warmup=False)
+    save = median_time(lambda: ckpt.save(path, state), reps, warmup=False)
+    load = median_time(lambda: ckpt.load(path), reps, warmup=False)
     gb = 2 * w.nbytes / 1e9
     print(f"file: {gb:.2f} GB in {directory}, median of {reps}")
     print(f"  plain write+fsync  {base * 1e3:8.1f} ms  {gb / base:5.2f} GB/s")

@@ -13,23 +13,12 @@ update / time) as a fraction of the device's copy bandwidth measured in the same
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 
 from rudra_async.kernels import cupy_device_available, make_updater
-
-
-def median_time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
 
 def cpu(reps: int) -> None:

@@ -1,0 +1,18 @@
+"""Timing helper shared by the benchmark scripts (run them as ``python benchmarks/NAME.py``)."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def median_time(fn: Callable[[], object], reps: int, warmup: bool = True) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls (after one untimed call if ``warmup``)."""
+    if warmup:
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
