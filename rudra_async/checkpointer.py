@@ -45,7 +45,7 @@ class Checkpointer:
     def __init__(self, path: str | None, every: int | None, write: Callable[[str], Awaitable[int]]) -> None:
         if path:
             check_writable(path)
-        self.path, self.every, self._write = path, every, write
+        self.path, self.every, self._write = path, every if path else None, write
         self.stats: dict[str, Any] = {"path": path, "written": 0, "failed": 0, "clock": None}
         self._newest: tuple[str, int] | None = None  # (path, clock) of the newest file known
         self._task: asyncio.Future[None] | None = None
@@ -63,7 +63,7 @@ class Checkpointer:
 
     def after_update(self, clock: int) -> None:
         """Called after every decision that applied updates (the clock may have moved by several)."""
-        if not self.every or not self.path or self._closing or clock // self.every <= self._last_period:
+        if not self.every or self._closing or clock // self.every <= self._last_period:
             return
         self._last_period = clock // self.every
         if self._task is not None and not self._task.done():
@@ -72,11 +72,12 @@ class Checkpointer:
         self._task = asyncio.ensure_future(self._periodic())
 
     async def _periodic(self) -> None:
+        assert self.path is not None  # periodic checkpoints need a path (``every`` is None without one)
         self._due = True
         while self._due and not self._closing:
             self._due = False
             try:
-                await self._write(self.path or "")
+                await self._write(self.path)
             except Exception as exc:  # a failed periodic checkpoint must not stop training
                 self.stats["failed"] += 1
                 log.error("checkpoint failed: %s (training goes on)", exc, exc_info=not isinstance(exc, RudraError))

@@ -1,10 +1,9 @@
 """The ``rudra-async`` command: a thin map from flags (and RUDRA_ASYNC_* variables) to configs."""
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -96,14 +95,31 @@ def server_options(f: Any) -> Any:
     return f
 
 
-SERVER_KEYS = ("protocol", "n", "staleness_bound", "backup", "protocol_options", "lr", "momentum", "weight_decay",
-               "nesterov", "lr_policy", "mean_staleness_window", "lr_policy_options", "lr_decay_at", "lr_decay", "lr_decay_unit", "warmup",
-               "lr_scale_ref_batch", "kernel", "device", "checkpoint", "checkpoint_every")
-
-
 def pop_server_config(kwargs: dict[str, Any]) -> ServerConfig:
-    """Move the server's flags out of a command's keyword arguments into a ServerConfig."""
-    return ServerConfig(**{k: kwargs.pop(k) for k in SERVER_KEYS})
+    """Move the server's flags (every keyword named like a ServerConfig field) out of a
+    command's keyword arguments into a ServerConfig."""
+    names = {f.name for f in dataclasses.fields(ServerConfig)} & kwargs.keys()
+    return ServerConfig(**{k: kwargs.pop(k) for k in names})
+
+
+#: the learner's training flags, shared by `learner` and `launch` (LearnerConfig fields)
+LEARNER_FLAGS = [
+    click.option("--model", default="mlp", show_default=True, help="Built-in model name or module:function."),
+    click.option("--dataset", default="digits", show_default=True),
+    click.option("--batch-size", "-b", type=int, default=32, show_default=True, help="Mini-batch size μ."),
+    click.option("--steps", type=int, default=None, help="Gradients to push (default: until the server stops)."),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--threads", type=int, default=1, show_default=True, help="torch threads for this learner."),
+    click.option("--reconnect", type=float, default=0.0, show_default=True,
+                 help="If the server is lost, keep trying to reach it (e.g. restarted with --resume) for this many seconds."),
+]
+LEARNER_KEYS = ("model", "dataset", "batch_size", "steps", "seed", "threads", "reconnect")
+
+
+def learner_options(f: Any) -> Any:
+    for opt in reversed(LEARNER_FLAGS):
+        f = opt(f)
+    return f
 
 
 @main.command()
@@ -123,9 +139,7 @@ def server(listen: tuple[str, ...], **kwargs: Any) -> None:
     async def serve() -> None:
         cfg = ServerConfig(listen=list(listen), **kwargs)
         async with ParameterServer(cfg) as ps:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, ps.request_close)
+            ps.close_on_signals()
             click.echo(f"listening on {' '.join(ps.addresses)}", err=True)
             await ps.serve()
         click.echo(json.dumps(ps.stats()), err=True)  # after close: includes the final checkpoint
@@ -139,17 +153,10 @@ def server(listen: tuple[str, ...], **kwargs: Any) -> None:
 @main.command()
 @click.option("--connect", required=True,
               help="Server address, e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, comma-separated, in order.")
-@click.option("--model", default="mlp", show_default=True, help="Built-in model name or module:function.")
-@click.option("--dataset", default="digits", show_default=True)
-@click.option("--batch-size", "-b", type=int, default=32, show_default=True, help="Mini-batch size μ.")
-@click.option("--steps", type=int, default=None, help="Gradients to push (default: until the server stops).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@learner_options
 @click.option("--index", type=int, default=0, show_default=True, help="Learner index (seeds its sampling).")
-@click.option("--threads", type=int, default=1, show_default=True, help="torch threads for this learner.")
 @click.option("--name", default=None)
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Connect timeout in seconds.")
-@click.option("--reconnect", type=float, default=0.0, show_default=True,
-              help="If the server is lost, keep trying to reach it (e.g. restarted with --resume) for this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON line.")
 def learner(as_json: bool, **kwargs: Any) -> None:
     """Run one PyTorch learner against a server."""
@@ -214,21 +221,14 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
 @click.option("--listen-host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=int, default=0, show_default=True, help="Server port (0: any free port, published).")
 @click.option("--wait", type=float, default=300.0, show_default=True, help="Seconds a learner waits for the servers.")
-@click.option("--model", default="mlp", show_default=True)
-@click.option("--dataset", default="digits", show_default=True)
-@click.option("--batch-size", "-b", type=int, default=32, show_default=True)
-@click.option("--steps", type=int, default=None, help="Gradients each learner pushes (default: until the servers stop).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--threads", type=int, default=1, show_default=True)
-@click.option("--reconnect", type=float, default=0.0, show_default=True)
-def launch(max_updates: int | None, **kwargs: Any) -> None:
+@learner_options
+def launch(**kwargs: Any) -> None:
     """Run one task of a job started by a cluster engine (srun, mpirun, torchrun, Kubernetes):
     by its rank, a shard server or a learner. Prints its result as one JSON line."""
     from .launch import LaunchConfig, launch as run_launch
 
     server = pop_server_config(kwargs)
-    server.max_updates = max_updates
-    learner = {k: kwargs.pop(k) for k in ("model", "dataset", "batch_size", "steps", "seed", "threads", "reconnect")}
+    learner = {k: kwargs.pop(k) for k in LEARNER_KEYS}
     try:
         result = run_launch(LaunchConfig(server=server.validate(), learner=learner, **kwargs))
     except RudraError as exc:

@@ -225,15 +225,17 @@ class ShardedClient:
     async def pull(self, newer_than: Stamp = -1) -> Weights:
         return self._combine(await _all(c.pull(n) for c, n in zip(self.clients, self._per_shard(newer_than))))
 
-    def _slices(self, grad: np.ndarray) -> list[np.ndarray]:
+    async def _to_every_shard(self, method: str, grad: np.ndarray, timestamp: Stamp, step: int, samples: int,
+                              loss: float | None) -> list[Any]:
+        """Call ``Client.<method>`` on every shard with its part of ``grad`` and its own stamp
+        (the loss goes to shard 0 only, for its loss curve)."""
         flat = grad.reshape(-1)
-        return [flat[c.range[0] : c.range[1]] for c in self.clients]
+        return await _all(getattr(c, method)(flat[c.range[0] : c.range[1]], t, step, samples, loss if i == 0 else None)
+                          for i, (c, t) in enumerate(zip(self.clients, self._per_shard(timestamp))))
 
     async def push(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0,
                    loss: float | None = None) -> Ack:
-        """Push each shard its part (the loss goes to shard 0 only, for its loss curve)."""
-        acks = await _all(c.push(g, t, step, samples, loss if i == 0 else None) for i, (c, g, t) in
-                          enumerate(zip(self.clients, self._slices(grad), self._per_shard(timestamp))))
+        acks = await self._to_every_shard("push", grad, timestamp, step, samples, loss)
         statuses = {a.status for a in acks}
         status = "applied" if statuses == {"applied"} else "dropped" if "dropped" in statuses else "pending"
         staleness = [a.staleness for a in acks if a.staleness is not None]
@@ -242,9 +244,7 @@ class ShardedClient:
 
     async def push_pull(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0,
                         loss: float | None = None) -> Weights:
-        return self._combine(await _all(
-            c.push_pull(g, t, step, samples, loss if i == 0 else None) for i, (c, g, t) in
-            enumerate(zip(self.clients, self._slices(grad), self._per_shard(timestamp)))))
+        return self._combine(await self._to_every_shard("push_pull", grad, timestamp, step, samples, loss))
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
@@ -278,7 +278,7 @@ class SyncClient:
         kept = None if initial is None else np.array(initial, np.float32, copy=True)  # for a restarted server
         self._connect_args = (url, layout, kept, kwargs)
         try:
-            self._client = self._runner.run(connect(url, layout, initial, **kwargs))
+            self._client = self._connect()
         except BaseException:
             self._runner.close()
             raise
@@ -289,13 +289,12 @@ class SyncClient:
         weights. The weights buffer is kept; the initial weights given at construction are
         sent again (a server restarted without a checkpoint starts from them). The learner
         id may change."""
-        url, layout, initial, kwargs = self._connect_args
         buffer = self._client.weights
         self._runner.run(self._client.close())
         deadline = time.monotonic() + within
         while True:
             try:
-                self._client = self._runner.run(connect(url, layout, initial, **kwargs))
+                self._client = self._connect()
                 self._client.weights = buffer
                 weights = self.pull()
                 break
@@ -303,8 +302,12 @@ class SyncClient:
                 if time.monotonic() + retry_every > deadline:
                     raise
                 time.sleep(retry_every)
-        log.warning("reconnected to %s at update %s", url, weights.timestamp)
+        log.warning("reconnected to %s at update %s", self._connect_args[0], weights.timestamp)
         return weights
+
+    def _connect(self) -> Client | ShardedClient:
+        url, layout, initial, kwargs = self._connect_args
+        return self._runner.run(connect(url, layout, initial, **kwargs))
 
     @property
     def learner_id(self) -> int:

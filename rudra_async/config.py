@@ -1,9 +1,10 @@
 """Configuration objects. The CLI maps flags and RUDRA_ASYNC_* variables onto these."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .checkpointer import shard_path
 from .errors import ConfigError
 from .layout import Shard
 from .wire import DEFAULT_MAX_BODY
@@ -86,6 +87,15 @@ class ServerConfig:
             if value is not None and value < low:
                 raise ConfigError(f"--{attr.replace('_', '-')} must be >= {low}, got {value}")
         return self
+
+    def for_shard(self, shard: Shard, listen: str) -> "ServerConfig":
+        """This configuration for one server of a shard group, listening at ``listen``; a
+        ``{shard}`` in the checkpoint path becomes its index (:func:`~rudra_async.checkpointer.shard_path`)."""
+        return replace(self, listen=[listen], shard=shard, checkpoint=shard_path(self.checkpoint, shard))
+
+    def check_shards(self, count: int) -> None:
+        """Settings a group of ``count`` shard servers cannot share (before any is started)."""
+        shard_path(self.checkpoint, Shard(0, count))
 
     def protocol_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for the chosen protocol."""

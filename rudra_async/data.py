@@ -1,6 +1,8 @@
 """Data sets that ship with installed packages (nothing is downloaded at run time)."""
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -88,8 +90,10 @@ def load_cifar10(directory: str) -> Dataset:
 DATASETS = {"digits": load_digits, "mnist5k": load_mnist5k}
 
 
+@functools.lru_cache(maxsize=8)
 def load(name: str) -> Dataset:
-    """A data set by name; ``cifar10:DIRECTORY`` reads CIFAR-10 batches from a directory."""
+    """A data set by name; ``cifar10:DIRECTORY`` reads CIFAR-10 batches from a directory.
+    Cached per process (a study runs many points on the same data); callers must not modify it."""
     if name.startswith("cifar10:"):
         return load_cifar10(name.partition(":")[2])
     if name not in DATASETS:

@@ -13,13 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from .checkpointer import shard_path
 from .config import ServerConfig
 from .errors import ConfigError, RudraError
 from .layout import Shard
@@ -85,7 +83,7 @@ class LaunchConfig:
             raise ConfigError(f"rank {cfg.rank} is outside a world of {cfg.world_size}")
         if not os.path.isdir(cfg.rendezvous):
             raise ConfigError(f"rendezvous directory {cfg.rendezvous} does not exist (it must be shared by all tasks)")
-        shard_path(cfg.server.checkpoint, Shard(0, cfg.servers))
+        cfg.server.check_shards(cfg.servers)
         return cfg
 
     @property
@@ -118,14 +116,10 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
     connected for ``cfg.wait`` seconds (a learner that never came), or SIGTERM."""
     from .server import ParameterServer
 
-    checkpoint = shard_path(cfg.server.checkpoint, shard)
-    server_cfg = replace(cfg.server, listen=[format_host_port("tcp", cfg.listen_host, cfg.port)], shard=shard,
-                         checkpoint=checkpoint)
+    server_cfg = cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, cfg.port))
     path = cfg.address_file(shard.index)
     async with ParameterServer(server_cfg) as ps:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, ps.request_close)
+        ps.close_on_signals()
         _, port = parse_host_port(ps.addresses[0], "tcp")
         _publish(path, format_host_port("tcp", cfg.advertise or socket.gethostname(), port))
         idle_since = time.monotonic()

@@ -7,6 +7,7 @@ boundaries, so shards stay balanced whatever the model's largest tensor.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -42,8 +43,8 @@ class Layout:
             off += t.size
         return cls(tuple(tensors))
 
-    @property
-    def size(self) -> int:
+    @functools.cached_property
+    def size(self) -> int:  # cached: read on every push (a frozen dataclass still has a __dict__)
         return sum(t.size for t in self.tensors)
 
     @property

@@ -46,8 +46,15 @@ class FlatModel:
     def zero_grad(self) -> None:
         self.grads.zero_()
 
+    def gradient(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Leave the mean cross-entropy gradient of the mini-batch (x, y) in ``grads``; return the loss."""
+        self.zero_grad()
+        loss = nn.functional.cross_entropy(self.module(x), y)
+        loss.backward()
+        return loss.item()
+
     def load(self, flat: np.ndarray) -> None:
-        self.weights.copy_(torch.from_numpy(np.array(flat, np.float32).reshape(-1)))
+        self.weights.numpy()[:] = np.reshape(flat, -1)  # one copy, converted to float32 on the way
 
 
 @torch.no_grad()
@@ -125,10 +132,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
         w = client.pull()
         while not w.stop and (cfg.steps is None or steps < cfg.steps):
             idx = torch.from_numpy(next(batches))
-            flat.zero_grad()
-            loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-            loss.backward()
-            loss_value = loss.item()
+            loss_value = flat.gradient(x_train[idx], y_train[idx])
             try:
                 w = client.push_pull(flat.grads.numpy(), w.timestamp, steps, len(idx), loss_value)
             except RemoteError as exc:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -40,7 +41,6 @@ class LearnerInfo:
     learner_id: int
     name: str
     peer: str
-    joined_at: float = field(default_factory=time.monotonic)
     applied: int = 0
     dropped: int = 0
     connected: bool = True
@@ -150,6 +150,12 @@ class ParameterServer:
         if self._closed is not None:
             self._closed.set()
         self._notify()
+
+    def close_on_signals(self) -> None:
+        """SIGINT and SIGTERM end :meth:`serve` (the owner then closes, writing the final checkpoint)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.request_close)
 
     async def close(self) -> None:
         """Stop listening, drop every connection, write the final checkpoint if one is

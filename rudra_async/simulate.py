@@ -77,14 +77,12 @@ class Scheduler:
 async def _learner(index: int, cfg: TrainConfig, url: str, dataset: Any, steps: int | None, sched: Scheduler,
                    duration: np.ndarray, rng: np.random.Generator) -> None:
     import torch
-    from torch import nn
 
     from .data import minibatches
     from .learner import FlatModel, build_model
 
     model = build_model(cfg.model, dataset, cfg.seed)
     flat = FlatModel(model)
-    sched.state[index] = "request"
     client = await Client.connect(url, flat.layout, flat.weights.numpy(), name=f"sim-{index}")
     sched.ids[index] = client.learner_id
     client.weights = flat.weights.numpy()  # pulled weights land in the model
@@ -96,12 +94,10 @@ async def _learner(index: int, cfg: TrainConfig, url: str, dataset: Any, steps: 
         while not w.stop and (steps is None or step < steps):
             await sched.at(index, sched.now + duration[step % len(duration)])
             idx = torch.from_numpy(next(batches))
-            flat.zero_grad()
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
+            loss = flat.gradient(x[idx], y[idx])
             sched.state[index] = "request"
             try:
-                w = await client.push_pull(flat.grads.numpy(), w.timestamp, step, len(idx), loss.item())
+                w = await client.push_pull(flat.grads.numpy(), w.timestamp, step, len(idx), loss)
             except RemoteError as exc:
                 if exc.code == "stopped":
                     break

@@ -120,13 +120,14 @@ def run_study(spec_path: str, output: str | None = None, progress: Callable[[str
     out = Path(output or spec.get("study", {}).get("output", "study-output"))
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
+    ids = [run_id(p) for p in points]
     done = {r["id"] for r in load_results(results_path)}
-    todo = [p for p in points if run_id(p) not in done]
+    todo = [(i, p) for i, p in zip(ids, points) if i not in done]
     progress(f"{len(points)} runs in the spec, {len(points) - len(todo)} already done, {len(todo)} to run")
-    for k, point in enumerate(todo, 1):
+    for k, (point_id, point) in enumerate(todo, 1):
         started = time.monotonic()
         result = run_point(point)
-        line = {"id": run_id(point), "group": point["group"], "point": point, **result}
+        line = {"id": point_id, "group": point["group"], "point": point, **result}
         with open(results_path, "a") as fh:
             fh.write(json.dumps(line) + "\n")
         settings = " ".join(f"{key}={point[key]}" for key in sorted(point) if key not in ("group", "mode"))
@@ -135,7 +136,6 @@ def run_study(spec_path: str, output: str | None = None, progress: Callable[[str
     if report:
         from .report import write_report
 
-        write_report(spec, spec_path, [r for r in load_results(results_path) if r["id"] in {run_id(p) for p in points}],
-                     out)
+        write_report(spec, spec_path, [r for r in load_results(results_path) if r["id"] in set(ids)], out)
         progress(f"report: {out / 'report.md'}")
     return out

@@ -39,8 +39,10 @@ class Decision:
 class SyncProtocol:
     """Base class: membership bookkeeping and the update clock. Subclasses decide batching.
 
-    Contract for subclasses: ``_on_push`` and ``_on_membership`` return the batches that
-    are ready; the base class advances ``clock`` by one per batch.
+    Contract for subclasses: ``_on_push``, ``_on_membership`` (a learner joined or left) and
+    ``_on_pulled`` (a learner started computing on newer weights; only protocols that hold
+    gradients for the sake of computing learners care) return the batches that are ready;
+    the base class advances ``clock`` by one per batch.
     """
 
     name = "?"
@@ -78,7 +80,7 @@ class SyncProtocol:
         """The learner received weights stamped ``stamp`` and computes on them."""
         if learner in self.members:
             self.computing[learner] = stamp
-        return self._ready(self._on_membership())
+        return self._ready(self._on_pulled())
 
     def push(self, grad: Gradient) -> Decision:
         if grad.stamp > self.clock:
@@ -97,6 +99,9 @@ class SyncProtocol:
         raise NotImplementedError
 
     def _on_membership(self) -> list[list[Gradient]]:
+        return []
+
+    def _on_pulled(self) -> list[list[Gradient]]:
         return []
 
     def _ready(self, batches: list[list[Gradient]], into: Decision | None = None) -> Decision:
@@ -152,7 +157,7 @@ class Async(Softsync):
         return 1
 
     def describe(self) -> dict[str, Any]:
-        return {"protocol": self.name}
+        return {"protocol": self.name}  # no n: c is always 1
 
 
 class Hardsync(SyncProtocol):
@@ -272,6 +277,9 @@ class Bounded(SyncProtocol):
 
     def _on_membership(self) -> list[list[Gradient]]:
         return self._drain()
+
+    def _on_pulled(self) -> list[list[Gradient]]:
+        return self._drain()  # a slow learner moving on may free held gradients
 
     def _drain(self) -> list[list[Gradient]]:
         batches: list[list[Gradient]] = []

@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .checkpointer import shard_path
 from .config import ServerConfig
 from .layout import Shard
 from .errors import ConfigError, RudraError
@@ -49,7 +48,7 @@ class TrainConfig:
             raise ConfigError(f"transport {self.transport!r} cannot reach learner processes; use tcp, shm or ucx")
         if self.shards < 1:
             raise ConfigError(f"need at least one shard, got {self.shards}")
-        shard_path(self.server.checkpoint, Shard(0, self.shards))
+        self.server.check_shards(self.shards)
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if self.updates is None and not self.epochs > 0:
@@ -57,8 +56,7 @@ class TrainConfig:
         return self
 
     def server_config(self, listen: str, n_train: int, shard: Shard = Shard()) -> ServerConfig:
-        return replace(self.server, listen=[listen], max_updates=self.updates, shard=shard,
-                       checkpoint=shard_path(self.server.checkpoint, shard),
+        return replace(self.server.for_shard(shard, listen), max_updates=self.updates,
                        samples_per_epoch=self.server.samples_per_epoch or n_train)
 
     def listen_url(self) -> str:

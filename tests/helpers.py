@@ -1,13 +1,16 @@
 """Shared test helpers: a real server on a loopback port, raw frame reading."""
 import asyncio
 import contextlib
+import json
 import os
 import socket
+import subprocess
 import sys
 import time
 
 import numpy as np
 
+from rudra_async.client import connect
 from rudra_async.config import ServerConfig
 from rudra_async.layout import Layout
 from rudra_async.server import ParameterServer
@@ -57,8 +60,52 @@ def subprocess_env() -> dict:
     return env
 
 
-PYTHON = sys.executable
-CLI_ARGS = [PYTHON, "-m", "rudra_async"]  # the rudra-async command of this interpreter
+CLI_ARGS = [sys.executable, "-m", "rudra_async"]  # the rudra-async command of this interpreter
+
+
+def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``rudra-async ARGS`` to its end; text output captured (``env`` adds variables)."""
+    return subprocess.run([*CLI_ARGS, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**subprocess_env(), **(env or {})})
+
+
+def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Start ``rudra-async ARGS`` in the background, text stdout and stderr piped."""
+    return subprocess.Popen([*CLI_ARGS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**subprocess_env(), **(env or {})})
+
+
+def start_server(port: int, *args: str) -> subprocess.Popen:
+    """``rudra-async server`` on tcp://127.0.0.1:PORT, returned once it accepts connections."""
+    proc = start_cli("server", "--listen", f"tcp://127.0.0.1:{port}", *args)
+    wait_listening(port)
+    return proc
+
+
+def reap(*procs) -> None:
+    """Kill whichever of these processes still run (a test's cleanup), and collect them."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def last_json(text: str) -> dict:
+    """The JSON object on the last line of a command's output."""
+    return json.loads(text.strip().splitlines()[-1])
+
+
+async def push_sequence(url: str, layout: Layout, grads, initial=None):
+    """One learner (one server, or a shard group's comma-separated URLs) pushing ``grads`` in
+    order, each on the newest weights (σ = 0). Returns (final weights, every stamp seen)."""
+    client = await connect(url, layout, initial)
+    w = await client.pull()
+    stamps = [w.timestamp]
+    for g in grads:
+        w = await client.push_pull(g, w.timestamp)
+        stamps.append(w.timestamp)
+    await client.close()
+    return w.array.copy(), stamps
 
 
 def free_port() -> int:

@@ -2,7 +2,6 @@
 checkpoint continues exactly where the checkpointed one was (weights, momentum, clock)."""
 import asyncio
 import concurrent.futures
-import json
 import os
 import shutil
 import signal
@@ -18,8 +17,8 @@ from rudra_async.checkpointer import Checkpointer
 from rudra_async.client import Client
 from rudra_async.wire import MsgType, encode_frame
 
-from helpers import (CLI_ARGS, free_port, initial_weights, random_batches, run_server, small_layout, subprocess_env,
-                     wait_listening)
+from helpers import (CLI_ARGS, free_port, initial_weights, last_json, push_sequence, random_batches, reap, run_server,
+                     small_layout, start_cli, start_server, subprocess_env)
 
 SGD = dict(protocol="async", lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
 
@@ -106,28 +105,18 @@ def test_other_files_are_refused(tmp_path):
         ckpt.save(tmp_path / "no-such-dir" / "x.ckpt", state)
 
 
-async def push_sequence(ps, grads, initial=None):
-    """One learner pushing the given gradients in order, each on the newest weights (σ = 0)."""
-    client = await Client.connect(ps.addresses[0], small_layout(), initial)
-    w = await client.pull()
-    for g in grads:
-        w = await client.push_pull(g, w.timestamp)
-    await client.close()
-    return w.array.copy()
-
-
 async def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     grads = [g[0] for g, _ in random_batches(small_layout().size, 20, 1)]
     w0 = initial_weights(small_layout())
     async with run_server(**SGD) as ps:
-        uninterrupted = await push_sequence(ps, grads, w0)
+        uninterrupted, _ = await push_sequence(ps.addresses[0], small_layout(), grads, w0)
     path = str(tmp_path / "run.ckpt")
     async with run_server(**SGD, checkpoint=path) as ps:
-        await push_sequence(ps, grads[:12], w0)
+        await push_sequence(ps.addresses[0], small_layout(), grads[:12], w0)
     assert ckpt.load(path).clock == 12  # written at close
     async with run_server(**SGD, resume=path) as ps:
         assert ps.clock == 12
-        resumed = await push_sequence(ps, grads[12:], np.zeros_like(w0))  # its initial weights are ignored
+        resumed, _ = await push_sequence(ps.addresses[0], small_layout(), grads[12:], np.zeros_like(w0))  # its initial weights are ignored
         assert ps.stats()["updates"] == 20
     np.testing.assert_array_equal(resumed, uninterrupted)  # bit for bit: the momentum came back too
 
@@ -181,7 +170,7 @@ async def test_a_failing_checkpoint_does_not_stop_training_but_close_reports_it(
     await ps.start()
     try:
         shutil.rmtree(directory)  # e.g. a volume that went away
-        await push_sequence(ps, grads, initial_weights(small_layout()))
+        await push_sequence(ps.addresses[0], small_layout(), grads, initial_weights(small_layout()))
         assert ps.clock == 6
         await ps.checkpointer.settled()
         assert ps.stats()["checkpoint"]["failed"] >= 1 and ps.stats()["checkpoint"]["written"] == 0
@@ -245,18 +234,8 @@ def test_killed_server_resumes_from_its_checkpoint_and_the_learner_reconnects(tm
     writes the final checkpoint."""
     path = tmp_path / "run.ckpt"
     port = free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    env = subprocess_env()
-
-    def server(*extra):
-        proc = subprocess.Popen([*CLI_ARGS, "server", "--listen", url, *extra], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
-        wait_listening(port)
-        return proc
-
-    first = server("--checkpoint", str(path), "--checkpoint-every", "10")
-    learner = subprocess.Popen([*CLI_ARGS, "learner", "--connect", url, "--reconnect", "60", "--json"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = start_server(port, "--checkpoint", str(path), "--checkpoint-every", "10")
+    learner = start_cli("learner", "--connect", f"tcp://127.0.0.1:{port}", "--reconnect", "60", "--json")
     second = None
     try:
         deadline = time.monotonic() + 60
@@ -268,19 +247,17 @@ def test_killed_server_resumes_from_its_checkpoint_and_the_learner_reconnects(tm
         first.communicate(timeout=30)
         state = ckpt.load(path)
         assert state.clock >= 30 and state.samples == state.clock * 32
-        second = server("--resume", str(path), "--checkpoint", str(path), "--max-updates", str(state.clock + 50))
+        second = start_server(port, "--resume", str(path), "--checkpoint", str(path), "--max-updates",
+                              str(state.clock + 50))
         out, err = learner.communicate(timeout=120)
         assert learner.returncode == 0, err
-        assert json.loads(out.strip().splitlines()[-1])["reconnects"] == 1
+        assert last_json(out)["reconnects"] == 1
         second.send_signal(signal.SIGTERM)
         _, err = second.communicate(timeout=30)
         assert second.returncode == 0, err
     finally:
-        for proc in (first, learner, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    stats = json.loads(err.strip().splitlines()[-1])
+        reap(first, learner, second)
+    stats = last_json(err)
     assert stats["updates"] == state.clock + 50 and stats["checkpoint"]["clock"] == state.clock + 50
     final = ckpt.load(path)
     assert final.clock == state.clock + 50 and final.samples == final.clock * 32

@@ -2,18 +2,11 @@
 import json
 import signal
 import socket
-import subprocess
 import time
 
 import pytest
 
-from helpers import CLI_ARGS, free_port, subprocess_env, wait_listening
-
-CLI = CLI_ARGS
-
-
-def run_cli(*args, timeout=120):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+from helpers import free_port, last_json, reap, run_cli, start_cli, start_server
 
 
 def test_train_writes_results_json(tmp_path):
@@ -51,29 +44,25 @@ def test_default_train_reaches_target_accuracy_and_its_checkpoint_evaluates_the_
 
 def test_server_and_learners_in_separate_processes():
     port = free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    server = subprocess.Popen([*CLI, "server", "--listen", url, "--max-updates", "40"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    server = start_server(port, "--max-updates", "40")
+    learners = []
     try:
-        wait_listening(port)
-        learners = [subprocess.Popen([*CLI, "learner", "--connect", url, "--index", str(i), "--json"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+        learners = [start_cli("learner", "--connect", f"tcp://127.0.0.1:{port}", "--index", str(i), "--json")
                     for i in range(2)]
         summaries = []
         for p in learners:
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
-            summaries.append(json.loads(out.strip().splitlines()[-1]))
+            summaries.append(last_json(out))
         assert sorted(s["learner_id"] for s in summaries) == [0, 1]
         assert sum(s["steps"] for s in summaries) == 40  # the server said stop at 40 updates
         server.send_signal(signal.SIGTERM)
         out, err = server.communicate(timeout=30)
         assert server.returncode == 0, err
-        stats = json.loads(err.strip().splitlines()[-1])
+        stats = last_json(err)
         assert stats["updates"] == 40
     finally:
-        if server.poll() is None:
-            server.kill()
+        reap(server, *learners)
 
 
 def test_wrong_address_fails_at_once():

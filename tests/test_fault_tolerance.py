@@ -1,7 +1,6 @@
 """No deadlock: learner processes killed mid-run, learners joining mid-run."""
 import asyncio
 import signal
-import sys
 
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from rudra_async.client import Client
 from rudra_async.layout import Layout
 
-from helpers import run_server, subprocess_env
+from helpers import CLI_ARGS, run_server, subprocess_env
 
 PROTOCOLS = [
     ("async", {}),
@@ -23,7 +22,7 @@ PROTOCOLS = [
 async def start_learner(url, index):
     """A learner process that runs until the server says stop."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rudra_async", "learner", "--connect", url, "--index", str(index),
+        *CLI_ARGS, "learner", "--connect", url, "--index", str(index),
         "--batch-size", "8", "--json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=subprocess_env())
 

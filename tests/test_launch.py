@@ -1,7 +1,6 @@
 """`rudra-async launch`: every task of a cluster job takes its role from its rank."""
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -9,7 +8,7 @@ from rudra_async import ConfigError
 from rudra_async.launch import LaunchConfig, rank_from_env
 from rudra_async.config import ServerConfig
 
-from helpers import CLI_ARGS, free_port, subprocess_env
+from helpers import free_port, last_json, reap, run_cli, start_cli
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -44,23 +43,18 @@ def test_bad_launch_settings_are_clear_errors(tmp_path):
 def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTASKS")):
     """Start ``world`` tasks as a cluster engine would (same command, rank in the environment)."""
     rank_var, size_var = engine
-    procs = []
-    for rank in range(world):
-        env = {**subprocess_env(), rank_var: str(rank), size_var: str(world), "SLURM_JOB_ID": "4242"}
-        procs.append(subprocess.Popen(
-            [*CLI_ARGS, "launch", "--rendezvous", str(tmp_path), "--servers", str(servers), "--advertise", "127.0.0.1",
-             "--listen-host", "127.0.0.1", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    procs = [start_cli("launch", "--rendezvous", str(tmp_path), "--servers", str(servers), "--advertise", "127.0.0.1",
+                       "--listen-host", "127.0.0.1", *extra,
+                       env={rank_var: str(rank), size_var: str(world), "SLURM_JOB_ID": "4242"})
+             for rank in range(world)]
     results = []
     try:
         for p in procs:
             out, err = p.communicate(timeout=180)
             assert p.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            results.append(last_json(out))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        reap(*procs)
     return results
 
 
@@ -75,8 +69,7 @@ def test_a_slurm_job_of_two_shard_servers_and_two_learners_trains_and_ends(tmp_p
     assert 198 <= sum(l["steps"] for l in learners) <= 200  # a push racing the stop may count on one shard only
     assert all(l["test_accuracy"] > 0.5 for l in learners)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0", "ckpt-1"]  # addresses unpublished, checkpoints written
-    run = subprocess.run([*CLI_ARGS, "evaluate", str(tmp_path / "ckpt-0"), str(tmp_path / "ckpt-1"), "--json"],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    run = run_cli("evaluate", str(tmp_path / "ckpt-0"), str(tmp_path / "ckpt-1"), "--json")
     assert run.returncode == 0 and json.loads(run.stdout)["clocks"] == [200, 200], run.stderr
 
 
@@ -88,16 +81,13 @@ def test_a_torchrun_job_with_one_server_and_learner_steps(tmp_path):
 
 def test_a_learner_gives_up_when_no_server_appears(tmp_path):
     (tmp_path / "job.shard0.url").write_text(f"tcp://127.0.0.1:{free_port()}\n")  # nobody listens there
-    env = {**subprocess_env(), "RANK": "1", "WORLD_SIZE": "2"}
-    run = subprocess.run([*CLI_ARGS, "launch", "--rendezvous", str(tmp_path), "--wait", "1"], capture_output=True,
-                         text=True, env=env, timeout=120)
+    run = run_cli("launch", "--rendezvous", str(tmp_path), "--wait", "1", env={"RANK": "1", "WORLD_SIZE": "2"})
     assert run.returncode == 2 and "did not publish their addresses within 1 s" in run.stderr
 
 
 def test_a_server_whose_learners_never_come_ends_after_the_wait(tmp_path):
-    env = {**subprocess_env(), "RANK": "0", "WORLD_SIZE": "3"}
-    run = subprocess.run([*CLI_ARGS, "launch", "--rendezvous", str(tmp_path), "--wait", "1", "--listen-host",
-                          "127.0.0.1"], capture_output=True, text=True, env=env, timeout=120)
+    run = run_cli("launch", "--rendezvous", str(tmp_path), "--wait", "1", "--listen-host", "127.0.0.1",
+                  env={"RANK": "0", "WORLD_SIZE": "3"})
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["updates"] == 0 and "0 of 2 learners came" in run.stderr
     assert os.listdir(tmp_path) == []

@@ -1,16 +1,13 @@
 """The paper's central finding on digits with real learner processes (λ = 8, μ = 8):
 with a fixed α0, 8-softsync (⟨σ⟩ ≈ 6) fails to train; with α0/σ it matches hardsync."""
 import json
-import subprocess
-import sys
 
-from helpers import subprocess_env
+from helpers import run_cli
 
 
 def train(tmp_path, name, *args):
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "rudra_async", "train", "-q", "-l", "8", "-b", "8", "--results", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    proc = run_cli("train", "-q", "-l", "8", "-b", "8", "--results", str(out), *args, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(out.read_text())
 

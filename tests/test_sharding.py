@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import subprocess
 
 import numpy as np
 import pytest
@@ -14,8 +13,8 @@ from rudra_async.client import Client, ShardedClient, connect
 from rudra_async.errors import RemoteError
 from rudra_async.layout import Layout, Shard
 
-from helpers import (CLI_ARGS, initial_weights, random_batches, run_server, sgd_reference, small_layout,
-                     subprocess_env, free_port, wait_listening)
+from helpers import (free_port, initial_weights, last_json, push_sequence, random_batches, reap, run_cli, run_server,
+                     sgd_reference, small_layout, start_cli, start_server)
 
 SGD = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
 
@@ -46,28 +45,15 @@ async def run_group(count, **config):
         yield servers, ",".join(ps.addresses[0] for ps in servers)
 
 
-async def push_all(url, layout, w0, batches):
-    """One learner: pull, then push each batch's gradient on the newest weights."""
-    client = await connect(url, layout, w0)
-    w = await client.pull()
-    stamps = [w.timestamp]
-    for grads, _ in batches:
-        w = await client.push_pull(grads[0], w.timestamp)
-        stamps.append(w.timestamp)
-    out = w.array.copy()
-    await client.close()
-    return out, stamps
-
-
 @pytest.mark.parametrize("count", [2, 3])
 async def test_a_sharded_group_computes_what_one_server_does(count):
     layout = small_layout()
     w0 = initial_weights(layout)
     batches = list(random_batches(layout.size, 15, 1))
     async with run_server(protocol="async", **SGD) as ps:
-        single, _ = await push_all(ps.addresses[0], layout, w0, batches)
+        single, _ = await push_sequence(ps.addresses[0], layout, [g[0] for g, _ in batches], w0)
     async with run_group(count, protocol="async", **SGD) as (servers, url):
-        sharded, stamps = await push_all(url, layout, w0, batches)
+        sharded, stamps = await push_sequence(url, layout, [g[0] for g, _ in batches], w0)
         assert [ps.clock for ps in servers] == [15] * count
         for ps, (lo, hi) in zip(servers, (Shard(i, count).range(layout.size) for i in range(count))):
             np.testing.assert_array_equal(ps.store.weights, sharded[lo:hi])  # each holds only its part
@@ -129,24 +115,18 @@ def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
     """Two `rudra-async server --shard i/2` processes, two learner processes connected to
     both; each shard checkpoints its part; `evaluate` joins the parts."""
     ports = [free_port(), free_port()]
-    urls = [f"tcp://127.0.0.1:{p}" for p in ports]
+    url = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
     ckpts = [tmp_path / f"shard{i}.ckpt" for i in range(2)]
-    env = subprocess_env()
-    servers = [subprocess.Popen([*CLI_ARGS, "server", "--listen", urls[i], "--shard", f"{i}/2", "--max-updates", "300",
-                                 "--checkpoint", str(ckpts[i])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env) for i in range(2)]
-    learners = []
+    servers, learners = [], []
     try:
-        for p in ports:
-            wait_listening(p)
-        learners = [subprocess.Popen([*CLI_ARGS, "learner", "--connect", ",".join(urls), "--index", str(i), "--json"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                    for i in range(2)]
+        servers = [start_server(ports[i], "--shard", f"{i}/2", "--max-updates", "300", "--checkpoint", str(ckpts[i]))
+                   for i in range(2)]
+        learners = [start_cli("learner", "--connect", url, "--index", str(i), "--json") for i in range(2)]
         steps = 0
         for p in learners:
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
-            steps += json.loads(out.strip().splitlines()[-1])["steps"]
+            steps += last_json(out)["steps"]
         # the group stopped at 300 updates; a last push racing the stop may be applied by one
         # shard and refused by the other, and then it does not count as a step of its learner
         assert 300 - len(learners) <= steps <= 300
@@ -155,34 +135,28 @@ def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
             s.send_signal(signal.SIGTERM)
             _, err = s.communicate(timeout=30)
             assert s.returncode == 0, err
-            stats.append(json.loads(err.strip().splitlines()[-1]))
+            stats.append(last_json(err))
         assert [st["shard"] for st in stats] == ["0/2", "1/2"] and [st["updates"] for st in stats] == [300, 300]
     finally:
-        for p in servers + learners:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    run = subprocess.run([*CLI_ARGS, "evaluate", str(ckpts[1]), str(ckpts[0]), "--json"], capture_output=True,
-                         text=True, env=env, timeout=120)
+        reap(*servers, *learners)
+    run = run_cli("evaluate", str(ckpts[1]), str(ckpts[0]), "--json")
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert result["clocks"] == [300, 300] and result["test_accuracy"] >= 0.8, result
-    run = subprocess.run([*CLI_ARGS, "evaluate", str(ckpts[0])], capture_output=True, text=True, env=env, timeout=120)
+    run = run_cli("evaluate", str(ckpts[0]))
     assert run.returncode == 2 and "need one checkpoint for every shard of 2" in run.stderr
-    run = subprocess.run([*CLI_ARGS, "server", "--listen", f"tcp://127.0.0.1:{free_port()}", "--shard", "1/2",
-                          "--resume", str(ckpts[0])], capture_output=True, text=True, env=env, timeout=60)
+    run = run_cli("server", "--listen", f"tcp://127.0.0.1:{free_port()}", "--shard", "1/2", "--resume", str(ckpts[0]),
+                  timeout=60)
     assert run.returncode == 2 and "holds shard 0/2, but this server is shard 1/2" in run.stderr
 
 
 def test_train_with_a_shard_group_gives_the_accuracy_of_its_joined_checkpoints(tmp_path):
     results, ckpt = tmp_path / "r.json", str(tmp_path / "part-{shard}.ckpt")
-    run = subprocess.run([*CLI_ARGS, "train", "-q", "--shards", "2", "-l", "2", "--protocol", "hardsync", "--updates",
-                          "60", "--checkpoint", ckpt, "--results", str(results)], capture_output=True, text=True,
-                         env=subprocess_env(), timeout=180)
+    run = run_cli("train", "-q", "--shards", "2", "-l", "2", "--protocol", "hardsync", "--updates", "60", "--checkpoint",
+                  ckpt, "--results", str(results), timeout=180)
     assert run.returncode == 0, run.stderr
     res = json.loads(results.read_text())
     assert res["shards"] == 2 and res["updates"] == 60 and res["staleness_max"] == 0
-    run = subprocess.run([*CLI_ARGS, "evaluate", ckpt.replace("{shard}", "1"), ckpt.replace("{shard}", "0"), "--json"],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    run = run_cli("evaluate", ckpt.replace("{shard}", "1"), ckpt.replace("{shard}", "0"), "--json")
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["test_accuracy"] == res["test_accuracy"]

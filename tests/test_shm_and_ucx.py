@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -15,9 +14,8 @@ from rudra_async.layout import Layout
 from rudra_async.transports import shm
 from rudra_async.wire import MsgType
 
-from helpers import run_server, subprocess_env
+from helpers import CLI_ARGS, reap, run_cli, run_server, subprocess_env
 
-CLI = [sys.executable, "-m", "rudra_async"]
 
 
 def shm_files() -> set[str]:
@@ -93,11 +91,11 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
     name = f"crash-{os.getpid()}"
     env = subprocess_env()
     log = open(tmp_path / "log.txt", "w")
-    server = subprocess.Popen([*CLI, "server", "--listen", f"shm://{name}"], stderr=log, env=env)
+    server = subprocess.Popen([*CLI_ARGS, "server", "--listen", f"shm://{name}"], stderr=log, env=env)
     learners = []
     try:
         time.sleep(1.5)
-        learners = [subprocess.Popen([*CLI, "learner", "--connect", f"shm://{name}", "--index", str(i)],
+        learners = [subprocess.Popen([*CLI_ARGS, "learner", "--connect", f"shm://{name}", "--index", str(i)],
                                      stdout=log, stderr=log, env=env) for i in range(2)]
         wait_until(lambda: len(shm_files() - before) >= 3)  # segments of both learners and the server
         learners[0].send_signal(signal.SIGKILL)  # a learner dies: its segments go too
@@ -108,10 +106,7 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
         learners[1].wait(timeout=30)  # the other learner notices and stops
         wait_until(lambda: not (shm_files() - before))
     finally:
-        for p in [server, *learners]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        reap(server, *learners)
         log.close()
     assert not (shm_files() - before)
 
@@ -121,8 +116,7 @@ def test_train_over_shm_and_ucx_reaches_tcp_accuracy(tmp_path):
     results = {}
     for transport in ("tcp", "shm", "ucx"):
         out = tmp_path / f"{transport}.json"
-        proc = subprocess.run([*CLI, "train", "-q", "--transport", transport, "--results", str(out)],
-                              capture_output=True, text=True, timeout=300, env=subprocess_env())
+        proc = run_cli("train", "-q", "--transport", transport, "--results", str(out), timeout=300)
         assert proc.returncode == 0, proc.stderr
         results[transport] = json.loads(out.read_text())
     for transport in ("shm", "ucx"):

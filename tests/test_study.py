@@ -1,8 +1,6 @@
 """The study tooling: specs, the deterministic simulator, resuming, the report, the loaders."""
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +14,13 @@ from rudra_async.simulate import simulate
 from rudra_async.study import expand, run_id, run_study
 from rudra_async.train import TrainConfig
 
-from helpers import subprocess_env
+from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_smoke_spec_runs_end_to_end_and_resumes(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rudra_async", "study", str(ROOT / "examples" / "study_smoke.toml"),
-                           "-o", str(tmp_path)], capture_output=True, text=True, timeout=240, env=subprocess_env())
+    proc = run_cli("study", str(ROOT / "examples" / "study_smoke.toml"), "-o", str(tmp_path), timeout=240)
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(results) == 13

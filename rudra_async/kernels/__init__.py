@@ -32,8 +32,6 @@ class Updater(abc.ABC):
     ``w_out`` (host; may be ``w`` itself).
     """
 
-    name = "?"
-
     def __init__(self, size: int) -> None:
         self.size = size
 

@@ -22,8 +22,6 @@ _THREADS = 256
 
 
 class CupyUpdater(Updater):
-    name = "cupy"
-
     def __init__(self, size: int) -> None:
         super().__init__(size)
         self._w = cp.empty(size, cp.float32)  # master weights
@@ -34,8 +32,8 @@ class CupyUpdater(Updater):
         self._streams: list[cp.cuda.Stream] = []
         self._kernels = {dt: cp.RawKernel(src, kernel_name(dt)) for dt, src in KERNEL_SOURCES.items()}
         self._pointers: dict[int, cp.ndarray] = {}  # c -> device array of the first c gradient pointers
-        device = cp.cuda.Device()
-        self._blocks = device.attributes["MultiProcessorCount"] * 8
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self._blocks = min(sms * 8, (size + _THREADS - 1) // _THREADS) or 1  # grid-stride: a few waves suffice
 
     def _slots(self, c: int) -> None:
         while len(self._grads) < c:
@@ -71,9 +69,8 @@ class CupyUpdater(Updater):
         if c not in self._pointers:
             self._pointers[c] = cp.asarray(np.array([g.data.ptr for g in self._grads[:c]], np.uint64))
         scale_arr = cp.asarray(np.asarray(scales, np.float32))
-        blocks = min(self._blocks, (self.size + _THREADS - 1) // _THREADS) or 1
         self._kernels[np.dtype(dtype)](
-            (blocks,), (_THREADS,),
+            (self._blocks,), (_THREADS,),
             (self._w, self._v, self._pointers[c], scale_arr, np.int32(c), np.float32(lr),
              np.float32(momentum), np.float32(weight_decay), np.int32(bool(nesterov)), np.int64(self.size)),
         )

@@ -53,7 +53,5 @@ def apply(
 
 
 class NumpyUpdater(HostUpdater):
-    name = "numpy"
-
     def apply(self, w, w_out, grads, scales, lr, momentum=0.0, weight_decay=0.0, nesterov=False) -> None:
         apply(w, w_out, self._v, grads, scales, lr, momentum, weight_decay, nesterov)

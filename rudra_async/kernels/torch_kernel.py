@@ -3,7 +3,6 @@ over the host buffers, viewed without copies. For c > 1 the scaled gradients are
 summed block by block, so the combined gradient stays in cache."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import HostUpdater, check_batch
@@ -12,8 +11,6 @@ BLOCK = 1 << 20  # 4 MiB of float32 per operand: few Python calls, still cache-f
 
 
 class TorchUpdater(HostUpdater):
-    name = "torch"
-
     def __init__(self, size: int) -> None:
         super().__init__(size)
         self._vt = torch.from_numpy(self._v)  # shares memory with the host momentum

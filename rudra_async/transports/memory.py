@@ -55,8 +55,9 @@ class MemoryConnection(Connection):
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
         assert self.other is not None
-        data = b"".join(bytes(p) for p in encode_frame(msg_type, meta, arrays, self.reader.limits))
-        self.other._deliver(memoryview(data))
+        for part in encode_frame(msg_type, meta, arrays, self.reader.limits):
+            self.other._deliver(memoryview(part).cast("B"))  # one copy: straight into the peer's reader
+        self.other._wake()
         await asyncio.sleep(0)  # a send is a scheduling point, as on a socket
 
     def _deliver(self, data: memoryview) -> None:
@@ -67,7 +68,6 @@ class MemoryConnection(Connection):
             buf[:n] = data[pos : pos + n]
             pos += n
             self._frames.extend(self.reader.advance(n))
-        self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

@@ -30,7 +30,6 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.frames: collections.deque[Frame | BaseException] = collections.deque()
         self.recv_waiter: asyncio.Future[None] | None = None
         self.drain_waiters: list[asyncio.Future[None]] = []
-        self.writing_paused = False
         self.lost: BaseException | None = None
         self.broken = False  # the byte stream can no longer be parsed
         self.reading_paused = False
@@ -88,11 +87,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if self.lost_future is not None and not self.lost_future.done():
             self.lost_future.set_result(None)
 
-    def pause_writing(self) -> None:
-        self.writing_paused = True
-
     def resume_writing(self) -> None:
-        self.writing_paused = False
         for w in self.drain_waiters:
             if not w.done():
                 w.set_result(None)
