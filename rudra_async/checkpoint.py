@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .errors import CheckpointError, RudraError
+from .errors import CheckpointError, ConfigError, RudraError
 from .layout import Layout, Shard
 from .wire import HEADER_SIZE, Limits, MsgType, decode_meta, encode_frame, parse_segments, unpack_header
 
@@ -181,3 +181,12 @@ def _fsync_directory(directory: str) -> None:
         finally:
             os.close(fd)
 
+
+def shard_path(path: str | None, shard: Shard) -> str | None:
+    """The checkpoint path of one shard of a group: ``{shard}`` in ``path`` becomes its index
+    (a group of several shards must have it, or they would all write one file)."""
+    if not path:
+        return None
+    if shard.count > 1 and "{shard}" not in path:
+        raise ConfigError("with several shard servers, put {shard} in --checkpoint (each shard writes its own file)")
+    return path.replace("{shard}", str(shard.index))

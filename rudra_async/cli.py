@@ -160,7 +160,7 @@ def server(listen: tuple[str, ...], **kwargs: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON line.")
 def learner(as_json: bool, **kwargs: Any) -> None:
     """Run one PyTorch learner against a server."""
-    from .learner import LearnerConfig, run_learner
+    from .learner.training import LearnerConfig, run_learner
 
     try:
         summary = run_learner(LearnerConfig(**kwargs))
@@ -186,7 +186,7 @@ def learner(as_json: bool, **kwargs: Any) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     """Start a server and λ learner processes here, train, and report accuracy, time and staleness."""
-    from .train import TrainConfig, train as run_train
+    from .runs.train import TrainConfig, train as run_train
 
     progress = None if quiet else (lambda line: click.echo(line, err=True))
     if logging.getLogger().level > logging.DEBUG:  # joins and leaves are noise in a local run
@@ -225,7 +225,7 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
 def launch(**kwargs: Any) -> None:
     """Run one task of a job started by a cluster engine (srun, mpirun, torchrun, Kubernetes):
     by its rank, a shard server or a learner. Prints its result as one JSON line."""
-    from .launch import LaunchConfig, launch as run_launch
+    from .runs.launch import LaunchConfig, launch as run_launch
 
     server = pop_server_config(kwargs)
     learner = {k: kwargs.pop(k) for k in LEARNER_KEYS}
@@ -244,7 +244,7 @@ def launch(**kwargs: Any) -> None:
 def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, as_json: bool) -> None:
     """Test accuracy of the weights in a checkpoint (written with --checkpoint); for a sharded
     group, give every shard's checkpoint."""
-    from .learner import evaluate_checkpoint
+    from .learner.training import evaluate_checkpoint
 
     try:
         out = evaluate_checkpoint(checkpoints, model, dataset)
@@ -260,7 +260,7 @@ def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, as_json: bo
 @click.option("--no-report", is_flag=True, help="Only run the points.")
 def study(spec: str, output: str | None, no_report: bool) -> None:
     """Run a study spec (TOML): every point as a run, resumable, then a Markdown report with plots."""
-    from .study import run_study
+    from .runs.study import run_study
 
     logging.getLogger("rudra_async.server").setLevel(logging.WARNING)
     try:

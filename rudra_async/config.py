@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .checkpointer import shard_path
+from .checkpoint import shard_path
 from .errors import ConfigError
 from .layout import Shard
 from .wire import DEFAULT_MAX_BODY
@@ -90,7 +90,7 @@ class ServerConfig:
 
     def for_shard(self, shard: Shard, listen: str) -> "ServerConfig":
         """This configuration for one server of a shard group, listening at ``listen``; a
-        ``{shard}`` in the checkpoint path becomes its index (:func:`~rudra_async.checkpointer.shard_path`)."""
+        ``{shard}`` in the checkpoint path becomes its index (:func:`~rudra_async.checkpoint.shard_path`)."""
         return replace(self, listen=[listen], shard=shard, checkpoint=shard_path(self.checkpoint, shard))
 
     def check_shards(self, count: int) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from rudra_async import CheckpointError, ConfigError, ParameterServer, ServerConfig
 from rudra_async import checkpoint as ckpt
-from rudra_async.checkpointer import Checkpointer
+from rudra_async.server.checkpointer import Checkpointer
 from rudra_async.client import Client
 from rudra_async.wire import MsgType, encode_frame
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from rudra_async import ConfigError
-from rudra_async.launch import LaunchConfig, rank_from_env
+from rudra_async.runs.launch import LaunchConfig, rank_from_env
 from rudra_async.config import ServerConfig
 
 from helpers import free_port, last_json, reap, run_cli, start_cli

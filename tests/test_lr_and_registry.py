@@ -6,7 +6,7 @@ from rudra_async import ConfigError
 from rudra_async import registry
 from rudra_async.config import ServerConfig
 from rudra_async.lr import Constant, MeanStaleness, Schedule, Staleness, StalenessPlusOne
-from rudra_async.server import make_lr_policy, make_protocol
+from rudra_async.server.parameter_server import make_lr_policy, make_protocol
 from rudra_async.sync import Softsync, SyncProtocol
 
 from helpers import run_server

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from rudra_async.client import Client
-from rudra_async.learner import FlatModel
+from rudra_async.learner.training import FlatModel
 
 from helpers import run_server
 

@@ -10,7 +10,7 @@ from rudra_async.client import Client
 from rudra_async.layout import Layout
 from rudra_async.server import ParameterServer
 from rudra_async.config import ServerConfig
-from rudra_async.store import WeightStore
+from rudra_async.server.store import WeightStore
 
 from helpers import LOOPBACK, initial_weights, run_server, small_layout
 

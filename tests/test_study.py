@@ -8,11 +8,11 @@ import pytest
 
 from rudra_async import ConfigError
 from rudra_async.config import ServerConfig
-from rudra_async.data import load, load_cifar10
+from rudra_async.learner.data import load, load_cifar10
 from rudra_async.eventloop import run
-from rudra_async.simulate import simulate
-from rudra_async.study import expand, run_id, run_study
-from rudra_async.train import TrainConfig
+from rudra_async.runs.simulate import simulate
+from rudra_async.runs.study import expand, run_id, run_study
+from rudra_async.runs.train import TrainConfig
 
 from helpers import run_cli
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from .client import Client
-from .errors import RemoteError, RudraError
-from .server import ParameterServer
+from ..client import Client
+from ..errors import RemoteError, RudraError
+from ..server import ParameterServer
 from .train import TrainConfig, summarize
 
 #: scheduling points a released learner may take before the scheduler calls it stuck
@@ -78,8 +78,8 @@ async def _learner(index: int, cfg: TrainConfig, url: str, dataset: Any, steps: 
                    duration: np.ndarray, rng: np.random.Generator) -> None:
     import torch
 
-    from .data import minibatches
-    from .learner import FlatModel, build_model
+    from ..learner.data import minibatches
+    from ..learner.training import FlatModel, build_model
 
     model = build_model(cfg.model, dataset, cfg.seed)
     flat = FlatModel(model)
@@ -112,7 +112,7 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
     """Run ``cfg`` as a simulation; returns the same results as ``train`` plus ``virtual_time``."""
     import torch
 
-    from . import data as datasets
+    from ..learner import data as datasets
 
     cfg.validate()
     torch.set_num_threads(1)

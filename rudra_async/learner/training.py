@@ -17,9 +17,9 @@ from torch import nn
 
 from . import data as datasets
 from . import models
-from .client import SyncClient
-from .errors import ConfigError, RemoteError, TransportError
-from .layout import Layout
+from ..client import SyncClient
+from ..errors import ConfigError, RemoteError, TransportError
+from ..layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def evaluate(module: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, fl
 def evaluate_checkpoint(paths: Sequence[str], model: str = "mlp", dataset: str = "digits") -> dict[str, Any]:
     """Test accuracy and loss of the weights in a checkpoint (or in one checkpoint per shard
     of a sharded group, in any order), loaded into ``model``."""
-    from . import checkpoint
+    from .. import checkpoint
 
     states = sorted((checkpoint.load(p) for p in paths), key=lambda st: st.shard.index)
     shards = [str(st.shard) for st in states]

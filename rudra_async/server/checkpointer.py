@@ -6,8 +6,7 @@ import logging
 import os
 from typing import Any, Awaitable, Callable
 
-from .errors import CheckpointError, ConfigError, RudraError
-from .layout import Shard
+from ..errors import CheckpointError, ConfigError, RudraError
 
 log = logging.getLogger(__name__)
 
@@ -21,16 +20,6 @@ def check_writable(path: str) -> None:
         raise ConfigError(f"checkpoint directory {directory} is not writable")
     if os.path.isdir(path):
         raise ConfigError(f"checkpoint path {path} is a directory; give a file name")
-
-
-def shard_path(path: str | None, shard: Shard) -> str | None:
-    """The checkpoint path of one shard of a group: ``{shard}`` in ``path`` becomes its index
-    (a group of several shards must have it, or they would all write one file)."""
-    if not path:
-        return None
-    if shard.count > 1 and "{shard}" not in path:
-        raise ConfigError("with several shard servers, put {shard} in --checkpoint (each shard writes its own file)")
-    return path.replace("{shard}", str(shard.index))
 
 
 class Checkpointer:

@@ -21,17 +21,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import __version__, checkpoint, kernels, registry, transports
+from .. import __version__, checkpoint, kernels, registry, transports
 from .checkpointer import Checkpointer
-from .config import ServerConfig
-from .errors import CheckpointError, ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
-from .layout import Layout, Shard
-from .lr import LRPolicy, Schedule
+from ..config import ServerConfig
+from ..errors import CheckpointError, ConfigError, FrameTooLarge, PeerGone, RequestError, RudraError, WireError
+from ..layout import Layout, Shard
+from ..lr import LRPolicy, Schedule
 from .stats import StalenessHistogram
 from .store import WeightStore
-from .sync import Decision, Gradient, SyncProtocol
-from .transports.base import Connection, Listener
-from .wire import Frame, Limits, MsgType
+from ..sync import Decision, Gradient, SyncProtocol
+from ..transports.base import Connection, Listener
+from ..wire import Frame, Limits, MsgType
 
 log = logging.getLogger(__name__)
 

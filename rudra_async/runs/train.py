@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .config import ServerConfig
-from .layout import Shard
-from .errors import ConfigError, RudraError
-from .server import ParameterServer
-from .transports import transport_for
-from .transports.base import format_host_port
+from ..config import ServerConfig
+from ..layout import Shard
+from ..errors import ConfigError, RudraError
+from ..server import ParameterServer
+from ..transports import transport_for
+from ..transports.base import format_host_port
 
 
 @dataclass
@@ -83,7 +83,7 @@ def learner_command(cfg: TrainConfig, url: str, index: int, steps: int | None) -
 
 async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the job and return the results (see README for the keys)."""
-    from . import data as datasets
+    from ..learner import data as datasets
 
     cfg.validate()
     dataset = datasets.load(cfg.dataset)
@@ -128,7 +128,7 @@ def summarize(cfg: TrainConfig, server: ParameterServer, dataset: Any,
               weights: np.ndarray | None = None) -> dict[str, Any]:
     """The results of a finished run: configuration, final test accuracy, statistics.
     ``weights``: the whole model's (default: the server's; a shard group's, joined)."""
-    from .learner import FlatModel, build_model, evaluate
+    from ..learner.training import FlatModel, build_model, evaluate
 
     model = build_model(cfg.model, dataset, cfg.seed)
     FlatModel(model).load(server.store.weights if weights is None else weights)  # type: ignore[union-attr]

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ServerConfig
-from .errors import ConfigError
-from .eventloop import run as run_loop
+from ..config import ServerConfig
+from ..errors import ConfigError
+from ..eventloop import run as run_loop
 from .train import TrainConfig
 
 TRAIN_KEYS = {"learners", "batch_size", "epochs", "updates", "seed", "model", "dataset", "transport", "shards"}

@@ -12,8 +12,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .kernels import Updater, make_updater
-from .layout import Layout
+from ..kernels import Updater, make_updater
+from ..layout import Layout
 
 
 class WeightStore:

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from .config import ServerConfig
-from .errors import ConfigError, RudraError
-from .layout import Shard
-from .transports.base import format_host_port, parse_host_port
+from ..config import ServerConfig
+from ..errors import ConfigError, RudraError
+from ..layout import Shard
+from ..transports.base import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,10 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     cfg = cfg.resolve()
     assert cfg.rank is not None
     if cfg.rank < cfg.servers:
-        from .eventloop import run
+        from ..eventloop import run
 
         return {"role": "server", "rank": cfg.rank, **run(serve_shard(cfg, Shard(cfg.rank, cfg.servers)))}
-    from .learner import LearnerConfig, run_learner
+    from ..learner.training import LearnerConfig, run_learner
 
     index = cfg.rank - cfg.servers
     urls = wait_for_servers(cfg)
@@ -114,7 +114,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
 async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
     """Serve one shard until every learner of the job has joined and left, or none has been
     connected for ``cfg.wait`` seconds (a learner that never came), or SIGTERM."""
-    from .server import ParameterServer
+    from ..server import ParameterServer
 
     server_cfg = cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, cfg.port))
     path = cfg.address_file(shard.index)

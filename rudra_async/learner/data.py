@@ -8,7 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass

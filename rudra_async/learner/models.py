@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def mlp(n_features: int, n_classes: int, hidden: int = 128) -> Any:

@@ -1,0 +1,1 @@
+"""Runs built on the server and learners: local training, cluster launch, simulation, studies."""
