@@ -198,7 +198,7 @@ _VICTIM = textwrap.dedent("""
 
 @_check
 async def peer_killed_mid_frame(s: _Suite) -> None:
-    if getattr(transports.transport_for(s.url), "IN_PROCESS", False):
+    if transports.transport_for(s.url).in_process:
         return  # no second process can share an in-process transport
     s.victim_outcome = asyncio.get_running_loop().create_future()
     proc = await asyncio.create_subprocess_exec(

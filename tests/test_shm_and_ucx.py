@@ -149,7 +149,7 @@ async def test_exported_memory_is_sent_by_reference_and_held_until_released():
     frames = asyncio.Queue()
     listener = await transports.listen("shm://", collector(frames))
     conn = await transports.connect(listener.address)
-    weights = shm.allocate_shared(4 * 300_000).view(np.float32)
+    weights = shm.exported.allocate(4 * 300_000).view(np.float32)
     weights[:] = 7.0
     sending = asyncio.create_task(conn.send(MsgType.WEIGHTS, {"timestamp": 1}, [weights]))
     frame = await asyncio.wait_for(frames.get(), 5)
@@ -159,6 +159,6 @@ async def test_exported_memory_is_sent_by_reference_and_held_until_released():
     assert np.all(frame.arrays[0] == 7.0)
     frame.release()
     await asyncio.wait_for(sending, 5)
-    shm.free_shared(weights)
+    shm.exported.free(weights)
     conn.close()
     await listener.close()

@@ -44,7 +44,7 @@ class TrainConfig:
         if self.learners < 1:
             raise ConfigError(f"need at least one learner, got {self.learners}")
         self.server.validate().check_learners(self.learners)
-        if getattr(transport_for(self.listen_url()), "IN_PROCESS", False):
+        if transport_for(self.listen_url()).in_process:
             raise ConfigError(f"transport {self.transport!r} cannot reach learner processes; use tcp, shm or ucx")
         if self.shards < 1:
             raise ConfigError(f"need at least one shard, got {self.shards}")

@@ -394,9 +394,9 @@ class ParameterServer:
     def _shared_memory(self) -> tuple[Any, Any]:
         """(allocate, free) of memory a listening transport sends without copying, if any."""
         for url in self.config.listen:
-            transport = transports.transport_for(url)
-            if hasattr(transport, "allocate_shared"):
-                return transport.allocate_shared, transport.free_shared
+            shared = transports.transport_for(url).shared_memory()
+            if shared is not None:
+                return shared.allocate, shared.free
         return None, None
 
     def _reject(self, code: str) -> None:

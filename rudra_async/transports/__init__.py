@@ -1,9 +1,8 @@
 """Transports by URL scheme: built-ins from a table, third parties by entry point.
 
-A transport module (or object) exposes ``connect(url, *, limits, timeout)`` and
-``listen(url, on_connection, *, limits)``; see :mod:`rudra_async.transports.base`.
-Third-party transports register under the entry-point group ``rudra_async.transports``
-with the URL scheme as the name.
+A transport is a :class:`~rudra_async.transports.base.Transport` instance; see
+:mod:`rudra_async.transports.base` for the contract. Third-party transports register
+under the entry-point group ``rudra_async.transports`` with the URL scheme as the name.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from urllib.parse import urlsplit
 from ..errors import ConfigError
 from ..registry import load_entry_point
 from ..wire import Limits
-from .base import Connection, Listener, OnConnection
+from .base import Connection, Listener, OnConnection, SharedMemory, Transport
 
 BUILTIN = {
     "tcp": "rudra_async.transports.tcp",
@@ -24,24 +23,29 @@ BUILTIN = {
 }
 ENTRY_POINT_GROUP = "rudra_async.transports"
 
-__all__ = ["Connection", "Listener", "connect", "listen", "transport_for", "known_schemes"]
+__all__ = ["Transport", "Connection", "Listener", "SharedMemory", "connect", "listen", "transport_for",
+           "known_schemes"]
 
 
 def known_schemes() -> list[str]:
     return sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
 
 
-def transport_for(url: str) -> Any:
-    """Return the transport implementation for ``url``'s scheme."""
+def transport_for(url: str) -> Transport:
+    """The transport for ``url``'s scheme; a ConfigError names the known schemes, or the
+    plugin that registered something other than a :class:`Transport`."""
     scheme = urlsplit(url).scheme
     if not scheme:
         raise ConfigError(f"address {url!r} has no scheme; expected e.g. tcp://127.0.0.1:7000")
-    plugin = load_entry_point(ENTRY_POINT_GROUP, scheme, "transport")
-    if plugin is not None:
-        return plugin
-    if scheme in BUILTIN:  # running from a source tree that was never installed
-        return importlib.import_module(BUILTIN[scheme])
-    raise ConfigError(f"no transport for scheme {scheme!r} in {url!r}; known: {', '.join(known_schemes())}")
+    found: Any = load_entry_point(ENTRY_POINT_GROUP, scheme, "transport")
+    if found is None and scheme in BUILTIN:  # running from a source tree that was never installed
+        found = importlib.import_module(BUILTIN[scheme]).transport
+    if found is None:
+        raise ConfigError(f"no transport for scheme {scheme!r} in {url!r}; known: {', '.join(known_schemes())}")
+    if not isinstance(found, Transport):
+        raise ConfigError(f"the transport registered for {scheme!r} is not a rudra_async.transports.base.Transport "
+                          f"instance (got {type(found).__name__}); register an instance, e.g. 'my_package:transport'")
+    return found
 
 
 async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> Connection:

@@ -1,12 +1,12 @@
 """The transport contract: move whole frames between two endpoints.
 
-A transport is a module (or any object) with two coroutines::
+A transport is an instance of :class:`Transport` with two coroutines::
 
     async def connect(url, *, limits: Limits, timeout: float) -> Connection
     async def listen(url, on_connection, *, limits: Limits) -> Listener
 
 registered under the entry-point group ``rudra_async.transports`` with its URL scheme as
-the name. Everything above this layer speaks frames (:mod:`rudra_async.wire`), never bytes.
+the name (``myscheme = "my_package:transport"``). Everything above this layer speaks frames (:mod:`rudra_async.wire`), never bytes.
 
 Contract, for every transport:
 
@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..errors import ConfigError, RudraError
-from ..wire import Allocator, Frame
+from ..wire import Allocator, Frame, Limits
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,49 @@ class Connection(abc.ABC):
 
         Lets a server notice a learner's death while it waits on something else.
         """
+
+
+class SharedMemory(abc.ABC):
+    """Memory a transport can send without copying (a capability of same-host transports).
+
+    A server listening on such a transport allocates its published weight buffers here, so
+    a pull moves a reference and the learner makes the one copy into its model."""
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """A writable byte buffer of ``nbytes`` that this transport sends by reference."""
+
+    @abc.abstractmethod
+    def free(self, array: np.ndarray) -> None:
+        """Give back memory from :meth:`allocate`; views stay readable."""
+
+
+class Transport(abc.ABC):
+    """How frames move for one URL scheme. An instance is registered under the entry-point
+    group ``rudra_async.transports`` with the scheme as its name.
+
+    Optional capabilities have defaults here, so callers never probe with ``getattr``:
+
+    - ``in_process``: True when only the listening process itself can connect (no second
+      process can reach it; e.g. ``memory://``). The conformance suite then skips the
+      crash check and ``train`` refuses it for learner processes.
+    - :meth:`shared_memory`: memory this transport sends without copying, or None.
+    """
+
+    scheme: str = ""
+    in_process: bool = False
+
+    @abc.abstractmethod
+    async def connect(self, url: str, *, limits: Limits, timeout: float) -> "Connection":
+        """Connect to ``url``; ConnectError at once if refused, or after ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    async def listen(self, url: str, on_connection: "OnConnection", *, limits: Limits) -> "Listener":
+        """Listen on ``url``; ConnectError at once if it cannot (e.g. the address is in use)."""
+
+    def shared_memory(self) -> SharedMemory | None:
+        """Memory this transport sends by reference (see :class:`SharedMemory`), or None."""
+        return None
 
 
 class Listener(abc.ABC):

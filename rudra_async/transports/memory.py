@@ -16,9 +16,8 @@ import numpy as np
 
 from ..errors import ConfigError, ConnectError, ConnectionClosed, PeerGone
 from ..wire import Frame, FrameReader, Limits, encode_frame
-from .base import Connection, OnConnection, ServingListener
+from .base import Connection, OnConnection, ServingListener, Transport
 
-IN_PROCESS = True
 _listeners: dict[str, "MemoryListener"] = {}
 _names = itertools.count()
 
@@ -121,21 +120,27 @@ def _name(url: str) -> str:
     return (parts.netloc + parts.path).strip("/")
 
 
-async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> MemoryListener:
-    name = _name(url) or f"auto-{next(_names)}"
-    if name in _listeners:
-        raise ConnectError(f"cannot listen on memory://{name}: address already in use")
-    listener = _listeners[name] = MemoryListener(name, on_connection, limits)
-    return listener
+class MemoryTransport(Transport):
+    scheme = "memory"
+    in_process = True
+
+    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> MemoryListener:
+        name = _name(url) or f"auto-{next(_names)}"
+        if name in _listeners:
+            raise ConnectError(f"cannot listen on memory://{name}: address already in use")
+        listener = _listeners[name] = MemoryListener(name, on_connection, limits)
+        return listener
+
+    async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> MemoryConnection:
+        name = _name(url)
+        listener = _listeners.get(name)
+        if listener is None:
+            raise ConnectError(f"cannot connect to {url}: nothing listens there in this process")
+        client = MemoryConnection(limits, f"memory://{name}")
+        server = MemoryConnection(listener.limits, f"memory://{name}#client")
+        client.other, server.other = server, client
+        listener._spawn(server)
+        return client
 
 
-async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> MemoryConnection:
-    name = _name(url)
-    listener = _listeners.get(name)
-    if listener is None:
-        raise ConnectError(f"cannot connect to {url}: nothing listens there in this process")
-    client = MemoryConnection(limits, f"memory://{name}")
-    server = MemoryConnection(listener.limits, f"memory://{name}#client")
-    client.other, server.other = server, client
-    listener._spawn(server)
-    return client
+transport = MemoryTransport()

@@ -25,7 +25,7 @@ import os
 import secrets
 import socket
 import mmap
-from multiprocessing.shared_memory import SharedMemory
+from multiprocessing import shared_memory
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
@@ -33,10 +33,9 @@ import numpy as np
 
 from ..errors import ConfigError, MalformedFrame
 from ..wire import Frame, Limits, encode_frame, parse_segments, spec_of
-from .base import Connection, Listener, OnConnection
+from .base import Connection, Listener, OnConnection, SharedMemory, Transport
 from .stream import StreamConnection, StreamListener, open_stream, protocol_factory, start_listener
 
-IN_PROCESS = False
 INLINE = 16 * 1024  # bodies up to this size go through the socket
 MAX_SEGMENTS = 4  # bodies one side may have outstanding before send waits
 RELEASE = 250  # internal message type: "I am done with your segment"
@@ -44,7 +43,7 @@ _REF = "~shm"  # metadata key of a body reference
 _counter = itertools.count()
 
 
-class _Exported:
+class _Exported(SharedMemory):
     """Process-wide shared memory that connections can send by reference, without a copy.
 
     The server allocates its published weight buffers here when it listens on shm, so a
@@ -83,16 +82,6 @@ exported = _Exported()
 atexit.register(exported.free_all)
 
 
-def allocate_shared(nbytes: int) -> np.ndarray:
-    """A float32-compatible byte buffer in shared memory that ``shm`` sends without copying."""
-    return exported.allocate(nbytes)
-
-
-def free_shared(array: np.ndarray) -> None:
-    """Give back memory from :func:`allocate_shared` (its name disappears from /dev/shm)."""
-    exported.free(array)
-
-
 def _socket_path(name: str) -> str:
     return "\0rudra-async/" + name
 
@@ -109,7 +98,7 @@ def _name(url: str) -> str:
 
 class _Segment:
     def __init__(self, size: int) -> None:
-        self.shm = SharedMemory(create=True, size=size)
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
         self.size = size
         self.busy = False
         self.array = np.ndarray((size,), np.uint8, buffer=self.shm.buf)
@@ -290,49 +279,57 @@ class ShmListener(Listener):
         await self.inner.close()
 
 
-async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> ShmListener:
-    """Listen on ``shm://NAME`` (``shm://`` picks a fresh name). Same host only."""
-    name = _name(url) or f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+class ShmTransport(Transport):
+    scheme = "shm"
 
-    async def wrap(ctl: Connection) -> None:
-        assert isinstance(ctl, StreamConnection)
-        conn = ShmConnection(ctl, limits, f"shm://{name}#peer")
-        try:
-            await on_connection(conn)
-        finally:
-            conn.close()
+    def shared_memory(self) -> SharedMemory:
+        return exported
 
-    loop = asyncio.get_running_loop()
+    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> ShmListener:
+        """Listen on ``shm://NAME`` (``shm://`` picks a fresh name). Same host only."""
+        name = _name(url) or f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
 
-    def serve(factory):
-        # bind the socket ourselves: libuv cannot name an abstract-namespace address
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(_socket_path(name))
-        except OSError:
-            sock.close()
-            raise
-        return loop.create_unix_server(factory, sock=sock)
+        async def wrap(ctl: Connection) -> None:
+            assert isinstance(ctl, StreamConnection)
+            conn = ShmConnection(ctl, limits, f"shm://{name}#peer")
+            try:
+                await on_connection(conn)
+            finally:
+                conn.close()
 
-    inner = await start_listener(serve, url, wrap, limits)
-    return ShmListener(inner, name)
+        loop = asyncio.get_running_loop()
+
+        def serve(factory):
+            # bind the socket ourselves: libuv cannot name an abstract-namespace address
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(_socket_path(name))
+            except OSError:
+                sock.close()
+                raise
+            return loop.create_unix_server(factory, sock=sock)
+
+        inner = await start_listener(serve, url, wrap, limits)
+        return ShmListener(inner, name)
+
+    async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> ShmConnection:
+        name = _name(url)
+        if not name:
+            raise ConfigError(f"{url!r} names no server; expected shm://NAME")
+        loop = asyncio.get_running_loop()
+
+        async def open_socket():
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, _socket_path(name))
+            except OSError:
+                sock.close()
+                raise
+            return await loop.create_unix_connection(protocol_factory(limits), sock=sock)
+
+        ctl = await open_stream(open_socket(), url, timeout)
+        return ShmConnection(ctl, limits, url)
 
 
-async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> ShmConnection:
-    name = _name(url)
-    if not name:
-        raise ConfigError(f"{url!r} names no server; expected shm://NAME")
-    loop = asyncio.get_running_loop()
-
-    async def open_socket():
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, _socket_path(name))
-        except OSError:
-            sock.close()
-            raise
-        return await loop.create_unix_connection(protocol_factory(limits), sock=sock)
-
-    ctl = await open_stream(open_socket(), url, timeout)
-    return ShmConnection(ctl, limits, url)
+transport = ShmTransport()

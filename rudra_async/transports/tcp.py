@@ -3,28 +3,32 @@ from __future__ import annotations
 
 import asyncio
 from ..wire import Limits
-from .base import OnConnection, format_host_port, parse_host_port
+from .base import OnConnection, Transport, format_host_port, parse_host_port
 from .stream import StreamConnection, StreamListener, open_stream, protocol_factory, start_listener
-
-IN_PROCESS = False
 
 
 def parse_url(url: str) -> tuple[str, int]:
     return parse_host_port(url, "tcp")
 
 
-async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> StreamConnection:
-    """Connect to a ``tcp://host:port`` URL; fails within ``timeout`` with ConnectError."""
-    host, port = parse_url(url)
-    loop = asyncio.get_running_loop()
-    return await open_stream(loop.create_connection(protocol_factory(limits), host, port), url, timeout)
+class TcpTransport(Transport):
+    scheme = "tcp"
+
+    async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> StreamConnection:
+        """Connect to a ``tcp://host:port`` URL; fails within ``timeout`` with ConnectError."""
+        host, port = parse_url(url)
+        loop = asyncio.get_running_loop()
+        return await open_stream(loop.create_connection(protocol_factory(limits), host, port), url, timeout)
+
+    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> StreamListener:
+        """Listen on a ``tcp://host:port`` URL (port 0 picks one). Fails at once if it cannot bind."""
+        host, port = parse_url(url)
+        loop = asyncio.get_running_loop()
+        listener = await start_listener(lambda factory: loop.create_server(factory, host, port), url, on_connection,
+                                        limits)
+        sockname = listener._server.sockets[0].getsockname()  # type: ignore[union-attr]
+        listener.address = format_host_port("tcp", sockname[0], sockname[1])
+        return listener
 
 
-async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> StreamListener:
-    """Listen on a ``tcp://host:port`` URL (port 0 picks one). Fails at once if it cannot bind."""
-    host, port = parse_url(url)
-    loop = asyncio.get_running_loop()
-    listener = await start_listener(lambda factory: loop.create_server(factory, host, port), url, on_connection, limits)
-    sockname = listener._server.sockets[0].getsockname()  # type: ignore[union-attr]
-    listener.address = format_host_port("tcp", sockname[0], sockname[1])
-    return listener
+transport = TcpTransport()

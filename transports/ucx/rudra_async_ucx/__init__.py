@@ -20,7 +20,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from rudra_async.errors import ConnectError, ConnectionClosed, PeerGone, WireError
-from rudra_async.transports.base import Connection, OnConnection, ServingListener, format_host_port, parse_host_port
+from rudra_async.transports.base import (
+    Connection,
+    OnConnection,
+    ServingListener,
+    Transport,
+    format_host_port,
+    parse_host_port,
+)
 from rudra_async.wire import (
     HEADER_SIZE,
     BufferPool,
@@ -32,7 +39,6 @@ from rudra_async.wire import (
     unpack_header,
 )
 
-IN_PROCESS = False
 _initialized = False
 
 
@@ -181,26 +187,31 @@ class UcxListener(ServingListener):
             self._listener = None
 
 
-async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> UcxListener:
-    """Listen on ``ucx://host:port`` (port 0 picks one). UCX listens on every interface."""
-    host, port = parse_url(url)
-    ucxx = _ucxx()
-    listener = UcxListener(host, on_connection, limits)
-    try:
-        listener._listener = ucxx.create_listener(listener._handle, port)
-    except Exception as exc:
-        raise ConnectError(f"cannot listen on {url}: {exc}") from None
-    listener.address = format_host_port("ucx", host, listener._listener.port)
-    return listener
+class UcxTransport(Transport):
+    scheme = "ucx"
+
+    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> UcxListener:
+        """Listen on ``ucx://host:port`` (port 0 picks one). UCX listens on every interface."""
+        host, port = parse_url(url)
+        ucxx = _ucxx()
+        listener = UcxListener(host, on_connection, limits)
+        try:
+            listener._listener = ucxx.create_listener(listener._handle, port)
+        except Exception as exc:
+            raise ConnectError(f"cannot listen on {url}: {exc}") from None
+        listener.address = format_host_port("ucx", host, listener._listener.port)
+        return listener
+
+    async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> UcxConnection:
+        host, port = parse_url(url)
+        ucxx = _ucxx()
+        try:
+            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout)
+        except asyncio.TimeoutError:
+            raise ConnectError(f"cannot connect to {url}: no answer within {timeout:g} s") from None
+        except Exception as exc:
+            raise ConnectError(f"cannot connect to {url}: {exc}") from None
+        return UcxConnection(ep, limits, url)
 
 
-async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> UcxConnection:
-    host, port = parse_url(url)
-    ucxx = _ucxx()
-    try:
-        ep = await asyncio.wait_for(ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout)
-    except asyncio.TimeoutError:
-        raise ConnectError(f"cannot connect to {url}: no answer within {timeout:g} s") from None
-    except Exception as exc:
-        raise ConnectError(f"cannot connect to {url}: {exc}") from None
-    return UcxConnection(ep, limits, url)
+transport = UcxTransport()
