@@ -204,6 +204,13 @@ class Frame:
             self._release, release = None, self._release
             release()
 
+    def take(self) -> Frame:
+        """Move ownership of the body to a new Frame, which the caller must release; this one's
+        :meth:`release` becomes a no-op (for a consumer that keeps a frame past its handler)."""
+        taken = Frame(self.msg_type, self.meta, self.body, self.specs, self.error, self._release)
+        self._release = None
+        return taken
+
 
 class BufferPool:
     """Body buffers for reuse: freshly allocated pages fill several times slower than warm
