@@ -39,10 +39,11 @@ class Decision:
 class SyncProtocol:
     """Base class: membership bookkeeping and the update clock. Subclasses decide batching.
 
-    Contract for subclasses: ``_on_push``, ``_on_membership`` (a learner joined or left) and
-    ``_on_pulled`` (a learner started computing on newer weights; only protocols that hold
-    gradients for the sake of computing learners care) return the batches that are ready;
-    the base class advances ``clock`` by one per batch.
+    Hooks a subclass (or a plugin) overrides: ``on_push``, ``on_membership`` (a learner
+    joined or left) and ``on_pulled`` (a learner started computing on newer weights; only
+    protocols that hold gradients for the sake of computing learners care) return the
+    batches that are ready; the base class advances ``clock`` by one per batch. A protocol
+    that holds gradients also overrides ``release_held`` (called when the run stops).
     """
 
     name = "?"
@@ -69,24 +70,24 @@ class SyncProtocol:
     # -- events ---------------------------------------------------------------------------
     def join(self, learner: int) -> Decision:
         self.members.add(learner)
-        return self._ready(self._on_membership())
+        return self._ready(self.on_membership())
 
     def leave(self, learner: int) -> Decision:
         self.members.discard(learner)
         self.computing.pop(learner, None)
-        return self._ready(self._on_membership())
+        return self._ready(self.on_membership())
 
     def pulled(self, learner: int, stamp: int) -> Decision:
         """The learner received weights stamped ``stamp`` and computes on them."""
         if learner in self.members:
             self.computing[learner] = stamp
-        return self._ready(self._on_pulled())
+        return self._ready(self.on_pulled())
 
     def push(self, grad: Gradient) -> Decision:
         if grad.stamp > self.clock:
             raise ValueError(f"gradient stamp {grad.stamp} is ahead of the clock {self.clock}")
         self.computing.pop(grad.learner, None)
-        decision = self._on_push(grad)
+        decision = self.on_push(grad)
         self._ready(decision.updates, into=decision)
         return decision
 
@@ -94,14 +95,19 @@ class SyncProtocol:
         """A learner's next weights must have a clock greater than this (−1: any)."""
         return -1
 
-    # -- for subclasses -------------------------------------------------------------------
-    def _on_push(self, grad: Gradient) -> Decision:
-        raise NotImplementedError
-
-    def _on_membership(self) -> list[list[Gradient]]:
+    def release_held(self) -> list[Gradient]:
+        """Give up every gradient held for a later update (the run stopped): they are returned
+        and forgotten, and the server answers their pushes ``dropped``."""
         return []
 
-    def _on_pulled(self) -> list[list[Gradient]]:
+    # -- for subclasses -------------------------------------------------------------------
+    def on_push(self, grad: Gradient) -> Decision:
+        raise NotImplementedError
+
+    def on_membership(self) -> list[list[Gradient]]:
+        return []
+
+    def on_pulled(self) -> list[list[Gradient]]:
         return []
 
     def _ready(self, batches: list[list[Gradient]], into: Decision | None = None) -> Decision:
@@ -136,11 +142,15 @@ class Softsync(SyncProtocol):
             self.pending = self.pending[self.c :]
         return batches
 
-    def _on_push(self, grad: Gradient) -> Decision:
+    def on_push(self, grad: Gradient) -> Decision:
         self.pending.append(grad)
         return Decision(updates=self._take_full_batches())
 
-    def _on_membership(self) -> list[list[Gradient]]:
+    def release_held(self) -> list[Gradient]:
+        held, self.pending = self.pending, []
+        return held
+
+    def on_membership(self) -> list[list[Gradient]]:
         return self._take_full_batches()
 
 
@@ -195,7 +205,7 @@ class Hardsync(SyncProtocol):
         self.round = set(self.members)
         self.got = {}
 
-    def _on_push(self, grad: Gradient) -> Decision:
+    def on_push(self, grad: Gradient) -> Decision:
         self.last_stamp[grad.learner] = grad.stamp
         if self.round is None:
             self._start_round()
@@ -205,7 +215,11 @@ class Hardsync(SyncProtocol):
         self.got[grad.learner] = grad
         return Decision(updates=self._complete())
 
-    def _on_membership(self) -> list[list[Gradient]]:
+    def release_held(self) -> list[Gradient]:
+        held, self.got = list(self.got.values()), {}
+        return held
+
+    def on_membership(self) -> list[list[Gradient]]:
         if self.round is None:
             return []
         self.round &= self.members | set(self.got)  # leavers that already pushed still count
@@ -271,15 +285,19 @@ class Bounded(SyncProtocol):
     def describe(self) -> dict[str, Any]:
         return {"protocol": self.name, "staleness_bound": self.s}
 
-    def _on_push(self, grad: Gradient) -> Decision:
+    def on_push(self, grad: Gradient) -> Decision:
         self.held.append(grad)
         return Decision(updates=self._drain(), wait_applied=True)
 
-    def _on_membership(self) -> list[list[Gradient]]:
+    def on_membership(self) -> list[list[Gradient]]:
         return self._drain()
 
-    def _on_pulled(self) -> list[list[Gradient]]:
+    def on_pulled(self) -> list[list[Gradient]]:
         return self._drain()  # a slow learner moving on may free held gradients
+
+    def release_held(self) -> list[Gradient]:
+        held, self.held = self.held, []
+        return held
 
     def _drain(self) -> list[list[Gradient]]:
         batches: list[list[Gradient]] = []
