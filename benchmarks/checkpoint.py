@@ -101,7 +101,7 @@ async def loop_stall(n: int, reps: int, directory: str) -> None:
     grad = np.full(n, 1e-6, np.float32)
     ps = ParameterServer(cfg, initial={"w": np.zeros(n, np.float32)})
     await ps.start()
-    store = ps.store
+    store = ps.core.store
     assert store is not None
     v = store.updater.momentum
     copy = median_time(lambda: v.copy(), reps)

@@ -1,7 +1,6 @@
 """The ``rudra-async`` command: a thin map from flags (and RUDRA_ASYNC_* variables) to configs."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
@@ -10,10 +9,10 @@ from typing import Any
 import click
 
 from . import __version__
-from .config import DEFAULT_LISTEN, ServerConfig
-from .layout import Shard
-from .errors import ConfigError, RudraError
+from .config import LaunchConfig, LearnerConfig, ServerConfig, TrainConfig
+from .errors import RudraError
 from .eventloop import run as run_loop
+from .options import click_options, from_flat
 
 
 def _fail(exc: BaseException) -> None:
@@ -29,116 +28,19 @@ def main(log_level: str) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _parse_option(ctx: Any, param: Any, values: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in values:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(raw)
-        except ValueError:
-            out[key] = raw
-    return out
-
-
-def _parse_shard(ctx: Any, param: Any, value: str) -> Shard:
-    try:
-        return Shard.parse(value)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-def _parse_milestones(ctx: Any, param: Any, value: str | None) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in value.split(",")) if value else ()
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
-
-
-SERVER_FLAGS = [
-    click.option("--protocol", default="async", show_default=True,
-                 help="hardsync | softsync | async | bounded | backup | a plugin's name | module:Class."),
-    click.option("--n", "n", type=int, default=None, help="softsync: c = ⌊λ/n⌋ gradients per update (1 ≤ n ≤ λ)."),
-    click.option("--staleness-bound", type=int, default=None, help="bounded: no gradient applied with σ > this."),
-    click.option("--backup", type=int, default=None, help="backup: update after λ − b gradients, drop the late b."),
-    click.option("--protocol-option", "protocol_options", multiple=True, callback=_parse_option,
-                 help="KEY=VALUE passed to a plugin protocol (repeatable)."),
-    click.option("--lr", type=float, default=0.03, show_default=True, help="Base learning rate α0."),
-    click.option("--momentum", type=float, default=0.9, show_default=True),
-    click.option("--weight-decay", type=float, default=0.0, show_default=True),
-    click.option("--nesterov", is_flag=True),
-    click.option("--lr-policy", default="constant", show_default=True,
-                 help="constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | mean-staleness (α0/⟨σ⟩) | plugin."),
-    click.option("--mean-staleness-window", type=int, default=0, show_default=True,
-                 help="mean-staleness: gradients in the window (0: the whole run)."),
-    click.option("--lr-option", "lr_policy_options", multiple=True, callback=_parse_option,
-                 help="KEY=VALUE passed to a plugin LR policy (repeatable)."),
-    click.option("--lr-decay-at", callback=_parse_milestones, default=None, help="Milestones, e.g. 120,130."),
-    click.option("--lr-decay", type=float, default=0.1, show_default=True, help="Factor at each milestone."),
-    click.option("--lr-decay-unit", type=click.Choice(["updates", "epochs"]), default="updates", show_default=True),
-    click.option("--warmup", type=int, default=0, show_default=True, help="Linear warm-up over this many updates."),
-    click.option("--kernel", type=click.Choice(["auto", "numpy", "torch", "cupy"]), default="auto", show_default=True,
-                 help="Update kernel backend; auto: cupy where a GPU is visible, else torch, else numpy."),
-    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
-    click.option("--lr-scale-ref-batch", type=int, default=None,
-                 help="Linear scaling rule: α × (samples per update)/this, e.g. μλ/μ_ref for hardsync."),
-    click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
-                 help="Write weights, momentum and clock here (atomically) when the server stops."),
-    click.option("--checkpoint-every", type=int, default=None, help="Also write the checkpoint every this many updates."),
-]
-
-
-def server_options(f: Any) -> Any:
-    for opt in reversed(SERVER_FLAGS):
-        f = opt(f)
-    return f
-
-
-def pop_server_config(kwargs: dict[str, Any]) -> ServerConfig:
-    """Move the server's flags (every keyword named like a ServerConfig field) out of a
-    command's keyword arguments into a ServerConfig."""
-    names = {f.name for f in dataclasses.fields(ServerConfig)} & kwargs.keys()
-    return ServerConfig(**{k: kwargs.pop(k) for k in names})
-
-
-#: the learner's training flags, shared by `learner` and `launch` (LearnerConfig fields)
-LEARNER_FLAGS = [
-    click.option("--model", default="mlp", show_default=True, help="Built-in model name or module:function."),
-    click.option("--dataset", default="digits", show_default=True),
-    click.option("--batch-size", "-b", type=int, default=32, show_default=True, help="Mini-batch size μ."),
-    click.option("--steps", type=int, default=None, help="Gradients to push (default: until the server stops)."),
-    click.option("--seed", type=int, default=0, show_default=True),
-    click.option("--threads", type=int, default=1, show_default=True, help="torch threads for this learner."),
-    click.option("--reconnect", type=float, default=0.0, show_default=True,
-                 help="If the server is lost, keep trying to reach it (e.g. restarted with --resume) for this many seconds."),
-]
-LEARNER_KEYS = ("model", "dataset", "batch_size", "steps", "seed", "threads", "reconnect")
-
-
-def learner_options(f: Any) -> Any:
-    for opt in reversed(LEARNER_FLAGS):
-        f = opt(f)
-    return f
+def _config(cls: type, kwargs: dict[str, Any], exclude: tuple[str, ...] = ()) -> Any:
+    """A configuration from a command's flags (the same fields the flags were derived from)."""
+    return from_flat(cls, kwargs, exclude=exclude, where="command line")
 
 
 @main.command()
-@click.option("--listen", "listen", multiple=True, default=[DEFAULT_LISTEN], show_default=True,
-              help="Address to listen on (repeatable).")
-@server_options
-@click.option("--samples-per-epoch", type=int, default=None, help="Training-set size, for epoch-based LR decay.")
-@click.option("--max-updates", type=int, default=None, help="End the run after this many updates.")
-@click.option("--resume", type=click.Path(dir_okay=False), default=None,
-              help="Start from this checkpoint (weights, momentum, clock) instead of the first learner's weights.")
-@click.option("--shard", callback=_parse_shard, default="0/1", show_default=True,
-              help="I/N: hold the I-th of N parts of the parameters (learners connect to all N, in order).")
-def server(listen: tuple[str, ...], **kwargs: Any) -> None:
+@click_options(ServerConfig)
+def server(**kwargs: Any) -> None:
     """Run a parameter server until interrupted. Weights come from the first learner's hello."""
     from .server import ParameterServer
 
     async def serve() -> None:
-        cfg = ServerConfig(listen=list(listen), **kwargs)
-        async with ParameterServer(cfg) as ps:
+        async with ParameterServer(_config(ServerConfig, kwargs)) as ps:
             ps.close_on_signals()
             click.echo(f"listening on {' '.join(ps.addresses)}", err=True)
             await ps.serve()
@@ -151,19 +53,15 @@ def server(listen: tuple[str, ...], **kwargs: Any) -> None:
 
 
 @main.command()
-@click.option("--connect", required=True,
-              help="Server address, e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, comma-separated, in order.")
-@learner_options
-@click.option("--index", type=int, default=0, show_default=True, help="Learner index (seeds its sampling).")
-@click.option("--name", default=None)
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="Connect timeout in seconds.")
+@click_options(LearnerConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON line.")
 def learner(as_json: bool, **kwargs: Any) -> None:
     """Run one PyTorch learner against a server."""
-    from .learner.training import LearnerConfig, run_learner
-
     try:
-        summary = run_learner(LearnerConfig(**kwargs))
+        cfg = _config(LearnerConfig, kwargs).validate()
+        from .learner.training import run_learner
+
+        summary = run_learner(cfg)
     except RudraError as exc:
         _fail(exc)
     click.echo(json.dumps(summary) if as_json else
@@ -171,33 +69,23 @@ def learner(as_json: bool, **kwargs: Any) -> None:
 
 
 @main.command()
-@click.option("--learners", "-l", type=int, default=4, show_default=True, help="Number of learner processes λ.")
-@click.option("--batch-size", "-b", type=int, default=32, show_default=True, help="Mini-batch size μ per learner.")
-@server_options
-@click.option("--epochs", type=float, default=30.0, show_default=True, help="Passes over the training set, all learners together.")
-@click.option("--updates", type=int, default=None, help="Stop after this many server updates (overrides --epochs).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--model", default="mlp", show_default=True)
-@click.option("--dataset", default="digits", show_default=True)
-@click.option("--transport", default="tcp", show_default=True, help="tcp, shm (same host), or a plugin's scheme (ucx).")
-@click.option("--shards", type=int, default=1, show_default=True,
-              help="Shard servers (in this process), each holding one part of the parameters.")
+@click_options(TrainConfig, exclude=TrainConfig.SET_BY_RUN)
 @click.option("--results", type=click.Path(dir_okay=False, writable=True), default=None, help="Write results JSON here.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     """Start a server and λ learner processes here, train, and report accuracy, time and staleness."""
-    from .runs.train import TrainConfig, train as run_train
+    from .runs.train import train as run_train
 
     progress = None if quiet else (lambda line: click.echo(line, err=True))
     if logging.getLogger().level > logging.DEBUG:  # joins and leaves are noise in a local run
         logging.getLogger("rudra_async.server").setLevel(logging.WARNING)
     try:
-        cfg = TrainConfig(server=pop_server_config(kwargs), **kwargs)
-        out = run_loop(run_train(cfg, progress))
+        out = run_loop(run_train(_config(TrainConfig, kwargs, TrainConfig.SET_BY_RUN), progress))
     except RudraError as exc:
         _fail(exc)
     click.echo(
-        f"protocol {out['protocol']} {out['protocol_options'] or ''}  lr policy {out['lr_policy']}  learners {out['learners']}  batch {out['batch_size']}  updates {out['updates']}  dropped {out['dropped']}\n"
+        f"protocol {out['protocol']} {out['protocol_options'] or ''}  lr policy {out['lr_policy']}  "
+        f"learners {out['learners']}  batch {out['batch_size']}  updates {out['updates']}  dropped {out['dropped']}\n"
         f"test accuracy {out['test_accuracy']:.4f}  wall {out['wall_s']:.1f} s (training {out['train_s']:.1f} s)\n"
         f"staleness mean {out['staleness_mean']:.2f}  max {out['staleness_max']}  histogram {out['staleness_histogram']}"
     )
@@ -209,28 +97,14 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
 
 
 @main.command()
-@click.option("--rendezvous", required=True, type=click.Path(file_okay=False),
-              help="A directory every task of the job can read and write (shared filesystem).")
-@click.option("--servers", type=int, default=1, show_default=True, help="Ranks 0..S-1 serve the S shards; the rest learn.")
-@server_options
-@click.option("--max-updates", type=int, default=None, help="End the run after this many updates.")
-@click.option("--rank", type=int, default=None, help="This task's rank (default: from Slurm, MPI, torchrun, …).")
-@click.option("--world-size", type=int, default=None, help="Tasks in the job (default: from the environment).")
-@click.option("--job-id", default=None, help="Names this job's files in the rendezvous directory (default: from the environment).")
-@click.option("--advertise", default=None, help="Host name or address learners use to reach this server (default: hostname).")
-@click.option("--listen-host", default="0.0.0.0", show_default=True)
-@click.option("--port", type=int, default=0, show_default=True, help="Server port (0: any free port, published).")
-@click.option("--wait", type=float, default=300.0, show_default=True, help="Seconds a learner waits for the servers.")
-@learner_options
+@click_options(LaunchConfig, exclude=LaunchConfig.SET_BY_RUN)
 def launch(**kwargs: Any) -> None:
     """Run one task of a job started by a cluster engine (srun, mpirun, torchrun, Kubernetes):
     by its rank, a shard server or a learner. Prints its result as one JSON line."""
-    from .runs.launch import LaunchConfig, launch as run_launch
+    from .runs.launch import launch as run_launch
 
-    server = pop_server_config(kwargs)
-    learner = {k: kwargs.pop(k) for k in LEARNER_KEYS}
     try:
-        result = run_launch(LaunchConfig(server=server.validate(), learner=learner, **kwargs))
+        result = run_launch(_config(LaunchConfig, kwargs, LaunchConfig.SET_BY_RUN))
     except RudraError as exc:
         _fail(exc)
     click.echo(json.dumps(result))

@@ -1,12 +1,24 @@
-"""Configuration objects. The CLI maps flags and RUDRA_ASYNC_* variables onto these."""
+"""Configuration: the one place where every setting is declared with its default, help,
+type and range (see :mod:`rudra_async.options`). The command line, the environment
+variables and the study's allowed keys are all derived from these classes.
+
+- :class:`ServerConfig`: one parameter server (protocol, optimizer, learning rate, limits,
+  kernel, checkpoints, shard);
+- :class:`LearnerOptions`: the training recipe every learner of a run shares;
+- :class:`LearnerConfig`: one learner process (its server, index and options);
+- :class:`TrainConfig`: a local run (``rudra-async train``): a server and λ learners;
+- :class:`LaunchConfig`: one task of a job started by a cluster engine.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+import math
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 from .checkpoint import shard_path
 from .errors import ConfigError
 from .layout import Shard
+from .options import check_ranges, flat_fields, section, setting
 from .wire import DEFAULT_MAX_BODY
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
@@ -15,80 +27,79 @@ DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
 PROTOCOL_OPTIONS = {"softsync": ("n", "n"), "bounded": ("s", "staleness_bound"), "backup": ("b", "backup")}
 
 
+def parse_milestones(text: str) -> tuple[float, ...]:
+    """``"120,130"`` → (120.0, 130.0)."""
+    try:
+        return tuple(float(v) for v in text.split(",")) if text else ()
+    except ValueError:
+        raise ConfigError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 @dataclass
 class ServerConfig:
-    """What a :class:`~rudra_async.server.ParameterServer` needs.
+    """What a :class:`~rudra_async.server.ParameterServer` needs. ``max_updates`` ends the
+    run: once the clock reaches it, replies carry ``stop`` and further gradients are
+    refused with ``stopped``. ``listen``, ``resume`` and ``shard`` belong to one server
+    process; ``train`` and ``launch`` set them per server (:data:`PER_SERVER`)."""
 
-    Optimizer: ``lr`` (α0), ``momentum``, ``weight_decay``, ``nesterov``. Protocol:
-    ``protocol`` with ``n`` (softsync), ``staleness_bound`` (bounded), ``backup``
-    (backup), or ``protocol_options`` for a plugin. LR: ``lr_policy`` and the schedule
-    fields. ``max_updates`` ends the run: once the clock reaches it, replies carry
-    ``stop`` and further gradients are refused with ``stopped``. Checkpoints: written to
-    ``checkpoint`` every ``checkpoint_every`` updates and when the server closes; ``resume``
-    names a checkpoint to start from (weights, momentum, clock, samples). ``shard``: which
-    part of the model this server holds in a sharded group (see :class:`~rudra_async.layout.Shard`).
-    """
+    PER_SERVER: ClassVar[tuple[str, ...]] = ("listen", "resume", "shard")
 
-    listen: list[str] = field(default_factory=lambda: [DEFAULT_LISTEN])
-    protocol: str = "async"
-    n: int | None = None
-    staleness_bound: int | None = None
-    backup: int | None = None
-    protocol_options: dict[str, Any] = field(default_factory=dict)
-    lr: float = 0.03
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    lr_policy: str = "constant"
-    mean_staleness_window: int = 0
-    lr_policy_options: dict[str, Any] = field(default_factory=dict)
-    lr_decay_at: tuple[float, ...] = ()
-    lr_decay: float = 0.1
-    lr_decay_unit: str = "updates"
-    warmup: int = 0
-    lr_scale_ref_batch: int | None = None
-    samples_per_epoch: int | None = None
-    max_updates: int | None = None
-    max_frame: int = DEFAULT_MAX_BODY
-    kernel: str = "auto"
-    device: str = "auto"
-    checkpoint: str | None = None
-    checkpoint_every: int | None = None
-    resume: str | None = None
-    shard: Shard = field(default_factory=Shard)
+    listen: list[str] = setting(factory=lambda: [DEFAULT_LISTEN], help="Address to listen on (repeatable).")
+    protocol: str = setting("async", "hardsync | softsync | async | bounded | backup | a plugin's name | module:Class.")
+    n: int | None = setting(None, "softsync: c = ⌊λ/n⌋ gradients per update (1 ≤ n ≤ λ).", low=1)
+    staleness_bound: int | None = setting(None, "bounded: no gradient applied with σ > this.", low=0)
+    backup: int | None = setting(None, "backup: update after λ − b gradients, drop the late b.", low=0)
+    protocol_options: dict[str, Any] = setting(factory=dict, flag="--protocol-option",
+                                               help="KEY=VALUE passed to a plugin protocol (repeatable).")
+    lr: float = setting(0.03, "Base learning rate α0.", above=0)
+    momentum: float = setting(0.9, "Momentum (torch.optim.SGD's; 0 for none), in [0, 1).", low=0, below=1)
+    weight_decay: float = setting(0.0, "L2 weight decay (torch.optim.SGD's).", low=0)
+    nesterov: bool = setting(False, "Nesterov momentum.")
+    lr_policy: str = setting("constant", "constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | "
+                                         "mean-staleness (α0/⟨σ⟩) | a plugin's name | module:Class.")
+    mean_staleness_window: int = setting(0, "mean-staleness: gradients in the window (0: the whole run).", low=0)
+    lr_policy_options: dict[str, Any] = setting(factory=dict, flag="--lr-option",
+                                                help="KEY=VALUE passed to a plugin LR policy (repeatable).")
+    lr_decay_at: tuple[float, ...] = setting(factory=tuple, parse=parse_milestones, metavar="M1,M2,...",
+                                             help="Step-decay milestones, e.g. 120,130.")
+    lr_decay: float = setting(0.1, "Factor applied at each milestone, in (0, 1].", above=0, high=1)
+    lr_decay_unit: str = setting("updates", "Unit of the milestones.", choices=("updates", "epochs"))
+    warmup: int = setting(0, "Linear warm-up over this many updates.", low=0)
+    lr_scale_ref_batch: int | None = setting(None, "Linear scaling rule: α × (samples per update)/this.", low=1)
+    samples_per_epoch: int | None = setting(None, "Training-set size, for epoch-based LR decay.", low=1)
+    max_updates: int | None = setting(None, "End the run after this many updates.", low=1)
+    max_frame: int = setting(DEFAULT_MAX_BODY, "Largest frame body accepted, in bytes.", low=1024,
+                             metavar="BYTES")
+    kernel: str = setting("auto", "Update kernel backend; auto: cupy where a GPU is visible, else torch, else numpy.",
+                          choices=("auto", "numpy", "torch", "cupy"))
+    device: str = setting("auto", "Device of the update kernel.", choices=("auto", "cpu", "cuda"))
+    checkpoint: str | None = setting(None, "Write weights, momentum and clock here (atomically) when the server "
+                                           "stops; with several shards, put {shard} in the name.", metavar="FILE")
+    checkpoint_every: int | None = setting(None, "Also write the checkpoint every this many updates.", low=1)
+    resume: str | None = setting(None, "Start from this checkpoint instead of the first learner's weights.",
+                                 metavar="FILE")
+    shard: Shard = setting(factory=Shard, parse=Shard.parse, metavar="I/N",
+                           help="Hold the I-th of N parts of the parameters (learners connect to all N, in order).")
 
-    def validate(self) -> "ServerConfig":
+    def validate(self) -> ServerConfig:
+        check_ranges(self)
         if not self.listen:
             raise ConfigError("the server needs at least one address to listen on")
-        if not self.lr > 0:
-            raise ConfigError(f"learning rate must be > 0, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight decay must be >= 0, got {self.weight_decay}")
         if self.nesterov and not self.momentum:
             raise ConfigError("nesterov needs momentum > 0")
-        if self.max_updates is not None and self.max_updates < 1:
-            raise ConfigError(f"max updates must be >= 1, got {self.max_updates}")
-        if self.max_frame < 1024:
-            raise ConfigError(f"max frame must be at least 1024 bytes, got {self.max_frame}")
-        if self.checkpoint_every is not None and (self.checkpoint_every < 1 or not self.checkpoint):
-            raise ConfigError(f"--checkpoint-every needs --checkpoint and a value >= 1, got {self.checkpoint_every}")
-        if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
-            raise ConfigError(f"samples per epoch must be >= 1, got {self.samples_per_epoch}")
+        if self.checkpoint_every is not None and not self.checkpoint:
+            raise ConfigError("--checkpoint-every needs --checkpoint")
         if self.lr_decay_unit == "epochs" and self.lr_decay_at and not self.samples_per_epoch:
             raise ConfigError("epoch-based LR decay needs --samples-per-epoch")
+        if not all(math.isfinite(m) and m >= 0 for m in self.lr_decay_at):
+            raise ConfigError(f"--lr-decay-at milestones must be finite and >= 0, got {self.lr_decay_at}")
         for proto, (_, attr) in PROTOCOL_OPTIONS.items():
             if getattr(self, attr) is not None and self.protocol != proto:
                 flag = "--" + attr.replace("_", "-")
                 raise ConfigError(f"{flag} applies only to --protocol {proto}, not {self.protocol}")
-        for attr, low in (("n", 1), ("staleness_bound", 0), ("backup", 0)):
-            value = getattr(self, attr)
-            if value is not None and value < low:
-                raise ConfigError(f"--{attr.replace('_', '-')} must be >= {low}, got {value}")
         return self
 
-    def for_shard(self, shard: Shard, listen: str) -> "ServerConfig":
+    def for_shard(self, shard: Shard, listen: str) -> ServerConfig:
         """This configuration for one server of a shard group, listening at ``listen``; a
         ``{shard}`` in the checkpoint path becomes its index (:func:`~rudra_async.checkpoint.shard_path`)."""
         return replace(self, listen=[listen], shard=shard, checkpoint=shard_path(self.checkpoint, shard))
@@ -119,3 +130,115 @@ class ServerConfig:
             raise ConfigError(f"softsync needs n <= λ; got n = {self.n} with {learners} learners")
         if self.backup is not None and self.backup >= learners:
             raise ConfigError(f"backup needs b < λ; got b = {self.backup} with {learners} learners")
+
+
+@dataclass
+class LearnerOptions:
+    """The training recipe that every learner of a run shares."""
+
+    model: str = setting("mlp", "Built-in model name (mlp, linear, cifar10_full) or module:function.")
+    dataset: str = setting("digits", "digits, mnist5k or cifar10:DIRECTORY.")
+    batch_size: int = setting(32, "Mini-batch size μ per learner.", short="-b", low=1)
+    steps: int | None = setting(None, "Gradients each learner pushes (default: until the server stops).", low=1)
+    seed: int = setting(0, "Seed of the initial weights (every learner builds the same) and of sampling.")
+    threads: int = setting(1, "torch threads per learner process.", low=1)
+    reconnect: float = setting(0.0, "If the server is lost, keep trying to reach it (e.g. restarted with --resume) "
+                                     "for this many seconds.", low=0)
+
+    def validate(self) -> LearnerOptions:
+        check_ranges(self)
+        return self
+
+
+@dataclass
+class LearnerConfig:
+    """One learner process: where its server is, who it is, and the shared options."""
+
+    connect: str = setting(help="Server address, e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, "
+                                "comma-separated, in order.")
+    index: int = setting(0, "Learner index (seeds its sampling).", low=0)
+    name: str | None = setting(None, "Name the server shows for this learner (default: host:pid).")
+    timeout: float = setting(10.0, "Connect timeout in seconds.", above=0)
+    options: LearnerOptions = section(LearnerOptions)
+
+    def validate(self) -> LearnerConfig:
+        check_ranges(self)
+        self.options.validate()
+        return self
+
+
+@dataclass
+class TrainConfig:
+    """A local run: a server (or a group of shard servers) in this process and λ learner
+    processes. The run sets the servers' :data:`SET_BY_RUN` settings itself."""
+
+    #: settings of the nested configurations that a run decides itself (not flags of ``train``)
+    SET_BY_RUN: ClassVar[tuple[str, ...]] = (*ServerConfig.PER_SERVER, "max_updates", "samples_per_epoch", "steps")
+
+    learners: int = setting(4, "Number of learner processes λ.", short="-l", low=1)
+    epochs: float = setting(30.0, "Passes over the training set, all learners together.", above=0)
+    updates: int | None = setting(None, "Stop after this many server updates (overrides --epochs).", low=1)
+    transport: str = setting("tcp", "tcp, shm (same host), or a plugin's scheme (ucx).")
+    shards: int = setting(1, "Shard servers (in this process), each holding one part of the parameters.", low=1)
+    host: str = setting("127.0.0.1", cli=False)
+    timeout: float = setting(900.0, "Seconds the whole run may take; learners are stopped past it.", above=0,
+                             flag="--run-timeout")
+    server: ServerConfig = section(ServerConfig)
+    learner: LearnerOptions = section(LearnerOptions)
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        """The names a run accepts (``train``'s flags, a study point's keys)."""
+        return list(flat_fields(cls, exclude=cls.SET_BY_RUN))
+
+    def validate(self) -> TrainConfig:
+        from .transports import transport_for
+
+        check_ranges(self)
+        self.learner.validate()
+        self.server.validate().check_learners(self.learners)
+        if transport_for(self.listen_url()).in_process:
+            raise ConfigError(f"transport {self.transport!r} cannot reach learner processes; use tcp, shm or ucx")
+        self.server.check_shards(self.shards)
+        return self
+
+    def server_config(self, listen: str, n_train: int, shard: Shard = Shard()) -> ServerConfig:
+        return replace(self.server.for_shard(shard, listen), max_updates=self.updates,
+                       samples_per_epoch=self.server.samples_per_epoch or n_train)
+
+    def listen_url(self) -> str:
+        """Where the run's server listens: a fresh name or port on this machine."""
+        from .transports.base import format_host_port
+
+        if self.transport == "shm":
+            return "shm://"
+        return format_host_port(self.transport, self.host, 0)
+
+    def steps_per_learner(self, n_train: int) -> int | None:
+        """Epochs count samples over all learners: each does epochs·N/(λμ) steps."""
+        if self.updates is not None:
+            return None
+        return max(1, math.ceil(self.epochs * n_train / (self.learners * self.learner.batch_size)))
+
+
+@dataclass
+class LaunchConfig:
+    """One process of a launched job. ``server`` configures every shard server (its listen
+    address and shard are set per rank); ``learner`` holds the learners' options."""
+
+    rendezvous: str = setting(help="A directory every task of the job can read and write (shared filesystem).")
+    servers: int = setting(1, "Ranks 0..S-1 serve the S shards; the rest learn.", low=1)
+    rank: int | None = setting(None, "This task's rank (default: from Slurm, MPI, torchrun, …).", low=0)
+    world_size: int | None = setting(None, "Tasks in the job (default: from the environment).", low=2)
+    job_id: str | None = setting(None, "Names this job's files in the rendezvous directory (default: from the "
+                                       "environment).")
+    advertise: str | None = setting(None, "Host name or address learners use to reach this server "
+                                          "(default: hostname).")
+    listen_host: str = setting("0.0.0.0", "Address the servers listen on.")
+    port: int = setting(0, "Server port (0: any free port, published).", low=0, high=65535)
+    wait: float = setting(300.0, "Seconds a learner waits for the servers.", above=0)
+    server: ServerConfig = section(ServerConfig)
+    learner: LearnerOptions = section(LearnerOptions)
+
+    #: settings of the nested configurations that a launch decides itself (per rank)
+    SET_BY_RUN: ClassVar[tuple[str, ...]] = ServerConfig.PER_SERVER + ("samples_per_epoch",)

@@ -105,8 +105,8 @@ async def test_bad_input_gets_a_coded_error_and_changes_nothing(caplog):
         stop.set()
         assert await asyncio.wait_for(steady, 10) >= 20  # the well-behaved learner went on all along
         assert ps.clock >= 20
-        np.testing.assert_array_equal(ps.store.weights, w0)
-        assert sum(ps.rejected.values()) == len(CASES)
+        np.testing.assert_array_equal(ps.core.store.weights, w0)
+        assert sum(ps.core.rejected.values()) == len(CASES)
         await owner.close()
 
 

@@ -132,12 +132,12 @@ async def test_resume_keeps_the_staleness_statistics_and_the_mean_staleness_rate
             stamp = (await b.pull()).timestamp
             await a.push(grad, ps.clock)
             await b.push(grad, stamp)
-        before = (ps.stats()["staleness_histogram"], ps.lr_policy.mean)
+        before = (ps.stats()["staleness_histogram"], ps.core.lr_policy.mean)
         await a.close()
         await b.close()
     assert before[0] == {"0": 5, "1": 5} and before[1] == 0.5
     async with run_server(**config, resume=path) as ps:
-        assert (ps.stats()["staleness_histogram"], ps.lr_policy.mean) == before
+        assert (ps.stats()["staleness_histogram"], ps.core.lr_policy.mean) == before
 
 
 async def test_periodic_checkpoints_hold_the_weights_of_their_update(tmp_path):

@@ -86,10 +86,14 @@ def test_port_in_use_fails_at_once():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["server", "--lr", "-1"], "learning rate must be > 0"),
+        (["server", "--lr", "-1"], "--lr must be > 0, got -1"),
+        (["server", "--lr", "inf"], "--lr must be a finite number"),
+        (["server", "--weight-decay", "nan"], "--weight-decay must be a finite number"),
+        (["server", "--momentum", "1"], "--momentum must be < 1"),
+        (["server", "--shard", "2/2"], "shard must be I/N with 0 <= I < N"),
         (["server", "--listen", "127.0.0.1:7000"], "has no scheme"),
         (["server", "--listen", "carrier-pigeon://x:1"], "no transport for scheme"),
-        (["train", "--learners", "0"], "at least one learner"),
+        (["train", "--learners", "0"], "--learners must be >= 1, got 0"),
         (["train", "--transport", "memory"], "cannot reach learner processes"),
         (["train", "--transport", "pigeon"], "no transport for scheme"),
         (["train", "--protocol", "softsync", "--n", "8", "--learners", "4"], "n <= λ"),

@@ -36,11 +36,11 @@ async def test_sigkill_of_a_learner_mid_run_lets_the_others_finish(protocol, opt
             async def until(cond, timeout=60):
                 deadline = asyncio.get_running_loop().time() + timeout
                 while not cond():
-                    state = {k: v for k, v in vars(ps.protocol).items() if k != "now"}
+                    state = {k: v for k, v in vars(ps.core.protocol).items() if k != "now"}
                     assert asyncio.get_running_loop().time() < deadline, f"timed out at clock {ps.clock}: {state}"
                     await asyncio.sleep(0.01)
 
-            await until(lambda: sum(l.connected for l in ps.learners.values()) == 3 and ps.clock >= 20)
+            await until(lambda: sum(l.connected for l in ps.core.learners.values()) == 3 and ps.clock >= 20)
             victim = procs[0]
             victim.send_signal(signal.SIGKILL)
             at_kill = ps.clock
@@ -50,7 +50,7 @@ async def test_sigkill_of_a_learner_mid_run_lets_the_others_finish(protocol, opt
             for p, (out, err) in zip(procs[1:], results):
                 assert p.returncode == 0, err.decode()[-2000:]
             assert ps.clock == at_kill + 100  # the run went on without the dead learner
-            assert sum(not l.connected for l in ps.learners.values()) == 3  # all gone, the dead one noticed
+            assert sum(not l.connected for l in ps.core.learners.values()) == 3  # all gone, the dead one noticed
         finally:
             for p in procs:
                 if p.returncode is None:

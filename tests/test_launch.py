@@ -5,7 +5,8 @@ import os
 import pytest
 
 from rudra_async import ConfigError
-from rudra_async.runs.launch import LaunchConfig, rank_from_env
+from rudra_async.config import LaunchConfig
+from rudra_async.runs.launch import rank_from_env, resolve
 from rudra_async.config import ServerConfig
 
 from helpers import free_port, last_json, reap, run_cli, start_cli
@@ -30,14 +31,14 @@ def test_bad_launch_settings_are_clear_errors(tmp_path):
         rank_from_env({"RANK": "x", "WORLD_SIZE": "2"})
     ok = dict(rendezvous=str(tmp_path), rank=0, world_size=3)
     with pytest.raises(ConfigError, match="need 1 <= servers < world size"):
-        LaunchConfig(**{**ok, "servers": 3}).resolve({})
+        resolve(LaunchConfig(**{**ok, "servers": 3}), {})
     with pytest.raises(ConfigError, match="does not exist"):
-        LaunchConfig(**{**ok, "rendezvous": str(tmp_path / "nope")}).resolve({})
+        resolve(LaunchConfig(**{**ok, "rendezvous": str(tmp_path / "nope")}), {})
     with pytest.raises(ConfigError, match=r"put \{shard\} in --checkpoint"):
-        LaunchConfig(**ok, servers=2, server=ServerConfig(checkpoint=str(tmp_path / "c.ckpt"))).resolve({})
+        resolve(LaunchConfig(**ok, servers=2, server=ServerConfig(checkpoint=str(tmp_path / "c.ckpt"))), {})
     with pytest.raises(ConfigError, match="both --rank and --world-size"):
-        LaunchConfig(rendezvous=str(tmp_path), rank=1).resolve({"RANK": "0", "WORLD_SIZE": "3"})
-    assert LaunchConfig(**ok).resolve({"SLURM_JOB_ID": "77"}).job_id == "77"
+        resolve(LaunchConfig(rendezvous=str(tmp_path), rank=1), {"RANK": "0", "WORLD_SIZE": "3"})
+    assert resolve(LaunchConfig(**ok), {"SLURM_JOB_ID": "77"}).job_id == "77"
 
 
 def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTASKS")):

@@ -6,7 +6,7 @@ from rudra_async import ConfigError
 from rudra_async import registry
 from rudra_async.config import ServerConfig
 from rudra_async.lr import Constant, MeanStaleness, Schedule, Staleness, StalenessPlusOne
-from rudra_async.server.parameter_server import make_lr_policy, make_protocol
+from rudra_async.server.core import make_lr_policy, make_protocol
 from rudra_async.sync import Softsync, SyncProtocol
 
 from helpers import run_server
@@ -87,7 +87,7 @@ async def test_example_plugin_drives_a_real_server():
         await a.push(g, 0)
         await a.push(g, 1)
         await a.push(g, 1)  # clock 1: σ = 1, 0, 0 → factors 0.5, 1, 1
-        np.testing.assert_allclose(ps.store.weights, -(1.0 + 2.5 / 3))
+        np.testing.assert_allclose(ps.core.store.weights, -(1.0 + 2.5 / 3))
         await a.close()
 
 

@@ -119,7 +119,7 @@ async def test_softsync_update_with_given_stamps_is_the_hand_computed_one():
         ack = await cs[1].push(g[5], 2)
         assert ack.status == "applied" and ack.timestamp == 3
         theta3 = theta2 - (alpha / 2) * (g[4] / 2 + g[5] / 1)
-        np.testing.assert_allclose(ps.store.weights, theta3, rtol=1e-6)
+        np.testing.assert_allclose(ps.core.store.weights, theta3, rtol=1e-6)
         assert ps.stats()["staleness_histogram"] == {"0": 3, "1": 2, "2": 1}
         for c in cs:
             await c.close()
@@ -150,7 +150,7 @@ async def test_softsync_staleness_concentrates_around_n(n):
         seed = await Client.connect(ps.addresses[0], layout, np.zeros(64, np.float32))
         await seed.close()
         await equally_fast_learners(ps.addresses[0], layout, lam, rounds=60)
-        hist = ps.staleness
+        hist = ps.core.staleness
         print(f"n={n}: mean σ {hist.mean:.2f}, max {hist.max}, σ ≤ 2n for {hist.fraction_at_most(2 * n):.3f}")
         assert 0.5 * n <= hist.mean <= 1.5 * n
         assert hist.fraction_at_most(2 * n) >= 0.95

@@ -151,5 +151,5 @@ async def test_float16_gradients_on_the_wire(kernel):
         c = await Client.connect(ps.addresses[0], layout, w0)
         ack = await c.push(g, 0)
         assert ack.status == "applied"
-        np.testing.assert_allclose(ps.store.weights, w0 - 0.5 * g.astype(np.float32), rtol=1e-6)
+        np.testing.assert_allclose(ps.core.store.weights, w0 - 0.5 * g.astype(np.float32), rtol=1e-6)
         await c.close()

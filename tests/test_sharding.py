@@ -56,8 +56,8 @@ async def test_a_sharded_group_computes_what_one_server_does(count):
         sharded, stamps = await push_sequence(url, layout, [g[0] for g, _ in batches], w0)
         assert [ps.clock for ps in servers] == [15] * count
         for ps, (lo, hi) in zip(servers, (Shard(i, count).range(layout.size) for i in range(count))):
-            np.testing.assert_array_equal(ps.store.weights, sharded[lo:hi])  # each holds only its part
-            assert ps.store.layout.size == hi - lo
+            np.testing.assert_array_equal(ps.core.store.weights, sharded[lo:hi])  # each holds only its part
+            assert ps.core.store.layout.size == hi - lo
     assert stamps == [(k,) * count for k in range(16)]
     # the same arithmetic per element; only the kernel's vector/scalar split of each slice may round differently
     np.testing.assert_allclose(sharded, single, rtol=1e-6, atol=1e-6)
@@ -91,7 +91,7 @@ async def test_a_learner_must_address_the_right_shard():
         with pytest.raises(RemoteError) as info:
             await Client.connect(first, layout, initial_weights(layout))  # a whole-model hello
         assert info.value.code == "shard_mismatch"
-        assert all(ps.store is None for ps in servers)  # nothing was initialized by the refused hellos
+        assert all(ps.core.store is None for ps in servers)  # nothing was initialized by the refused hellos
 
 
 async def test_a_model_smaller_than_the_group_is_refused_with_a_reason():
@@ -107,8 +107,8 @@ async def test_a_model_smaller_than_the_group_is_refused_with_a_reason():
 def test_an_embedded_shard_takes_its_part_of_the_initial_weights():
     w = np.arange(10, dtype=np.float32)
     ps = ParameterServer(ServerConfig(shard=Shard(1, 3)), initial={"a": w[:4], "b": w[4:].reshape(2, 3)})
-    np.testing.assert_array_equal(ps.store.weights, w[4:7])
-    assert ps.layout == Layout.from_shapes([("a", (4,)), ("b", (2, 3))])
+    np.testing.assert_array_equal(ps.core.store.weights, w[4:7])
+    assert ps.core.layout == Layout.from_shapes([("a", (4,)), ("b", (2, 3))])
 
 
 def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):

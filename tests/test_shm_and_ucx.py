@@ -137,7 +137,7 @@ async def test_server_listens_on_tcp_and_shm_at_once():
         await a.push(g, 0)
         w = await b.push_pull(g, 1)
         assert w.timestamp == 2
-        np.testing.assert_array_equal(w.array, ps.store.weights)
+        np.testing.assert_array_equal(w.array, ps.core.store.weights)
         for c in (a, b):
             await c.close()
 

@@ -12,7 +12,7 @@ from rudra_async.learner.data import load, load_cifar10
 from rudra_async.eventloop import run
 from rudra_async.runs.simulate import simulate
 from rudra_async.runs.study import expand, run_id, run_study
-from rudra_async.runs.train import TrainConfig
+from rudra_async.config import LearnerOptions, TrainConfig
 
 from helpers import run_cli
 
@@ -41,7 +41,7 @@ def test_smoke_spec_runs_end_to_end_and_resumes(tmp_path):
 
 
 def test_simulation_is_deterministic_and_staleness_follows_n():
-    cfg = TrainConfig(learners=8, batch_size=8, epochs=1, model="linear",
+    cfg = TrainConfig(learners=8, epochs=1, learner=LearnerOptions(batch_size=8, model="linear"),
                       server=ServerConfig(protocol="softsync", n=4, lr=0.05))
     a, b = run(simulate(cfg)), run(simulate(cfg))
     assert a["staleness_histogram"] == b["staleness_histogram"]
@@ -54,7 +54,7 @@ def test_simulation_is_deterministic_and_staleness_follows_n():
 @pytest.mark.parametrize("protocol, options", [("hardsync", {}), ("bounded", {"staleness_bound": 2}),
                                                ("backup", {"backup": 1})])
 def test_simulation_runs_every_protocol(protocol, options):
-    cfg = TrainConfig(learners=4, batch_size=8, epochs=0.5, model="linear",
+    cfg = TrainConfig(learners=4, epochs=0.5, learner=LearnerOptions(batch_size=8, model="linear"),
                       server=ServerConfig(protocol=protocol, lr=0.05, **options))
     r = run(simulate(cfg, heterogeneity=0.5))
     assert r["updates"] > 5
@@ -66,8 +66,15 @@ def test_spec_expansion_and_errors(tmp_path):
     points = expand(spec)
     assert [p["n"] for p in points] == [1, 2] and all(p["mode"] == "simulated" for p in points)
     assert run_id(points[0]) != run_id(points[1])
-    with pytest.raises(ConfigError, match="unknown keys"):
+    with pytest.raises(ConfigError, match="unknown setting 'speed'"):
         expand({"runs": [{"speed": 3}]})
+    with pytest.raises(ConfigError, match="unknown setting 'lerners' \\(did you mean 'learners'\\?\\)"):
+        expand({"runs": [{"lerners": 3}]})
+    with pytest.raises(ConfigError, match="lr must be float, got 'fast'"):
+        expand({"runs": [{"lr": "fast"}]})
+    # every setting of `train` is a study key, plugin options included (derived from the same fields)
+    plugin = expand({"runs": [{"protocol": "fixed-batch", "protocol_options": {"c": 2}}]})
+    assert plugin[0]["protocol_options"] == {"c": 2}
     with pytest.raises(ConfigError, match="n <= λ"):
         expand({"runs": [{"protocol": "softsync", "learners": 2, "n": 4}]})
     with pytest.raises(ConfigError, match="no \\[\\[runs\\]\\]"):
@@ -104,7 +111,8 @@ def test_cifar10_loader_reads_python_batches_and_trains_cifar10_full(tmp_path):
     assert abs(float(d.x_train.mean())) < 1e-5  # per-pixel mean subtracted
     with pytest.raises(ConfigError, match="no CIFAR-10"):
         load_cifar10(str(tmp_path / "missing"))
-    cfg = TrainConfig(learners=2, batch_size=4, epochs=1, model="cifar10_full", dataset=f"cifar10:{tmp_path}",
+    cfg = TrainConfig(learners=2, epochs=1,
+                      learner=LearnerOptions(batch_size=4, model="cifar10_full", dataset=f"cifar10:{tmp_path}"),
                       server=ServerConfig(protocol="hardsync", lr=0.001))
     r = run(simulate(cfg))
     assert r["updates"] == 5 and r["model"] == "cifar10_full"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -18,6 +17,7 @@ from torch import nn
 from . import data as datasets
 from . import models
 from ..client import SyncClient
+from ..config import LearnerConfig
 from ..errors import ConfigError, RemoteError, TransportError
 from ..layout import Layout
 
@@ -101,36 +101,22 @@ def build_model(model: str, dataset: datasets.Dataset, seed: int) -> nn.Module:
     return models.resolve(model)(dataset.n_features, dataset.n_classes)
 
 
-@dataclass
-class LearnerConfig:
-    connect: str
-    model: str = "mlp"
-    dataset: str = "digits"
-    batch_size: int = 32
-    steps: int | None = None  # None: until the server says stop
-    seed: int = 0
-    index: int = 0  # distinguishes learners' sampling streams
-    threads: int = 1
-    name: str | None = None
-    timeout: float = 10.0
-    reconnect: float = 0.0  # seconds to keep trying to reach a lost server (0: fail at once)
-
-
 def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     """Train against the server at ``cfg.connect``; returns a summary of this learner's run."""
-    torch.set_num_threads(cfg.threads)
-    data = datasets.load(cfg.dataset)
-    model = build_model(cfg.model, data, cfg.seed)
+    opts = cfg.options
+    torch.set_num_threads(opts.threads)
+    data = datasets.load(opts.dataset)
+    model = build_model(opts.model, data, opts.seed)
     flat = FlatModel(model)
     x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
-    rng = np.random.default_rng([cfg.seed, cfg.index])
-    batches = datasets.minibatches(len(y_train), cfg.batch_size, rng)
+    rng = np.random.default_rng([opts.seed, cfg.index])
+    batches = datasets.minibatches(len(y_train), opts.batch_size, rng)
     started = time.monotonic()
     steps, loss_value, reconnects = 0, float("nan"), 0
     with SyncClient(cfg.connect, flat.layout, flat.weights.numpy(), name=cfg.name, timeout=cfg.timeout) as client:
         client.set_weights_buffer(flat.weights.numpy())
         w = client.pull()
-        while not w.stop and (cfg.steps is None or steps < cfg.steps):
+        while not w.stop and (opts.steps is None or steps < opts.steps):
             idx = torch.from_numpy(next(batches))
             loss_value = flat.gradient(x_train[idx], y_train[idx])
             try:
@@ -140,11 +126,11 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                     break
                 raise
             except TransportError as exc:
-                if not cfg.reconnect:
+                if not opts.reconnect:
                     raise
-                log.warning("lost the server (%s); reconnecting for up to %g s", exc, cfg.reconnect)
+                log.warning("lost the server (%s); reconnecting for up to %g s", exc, opts.reconnect)
                 last = w.timestamp
-                w = client.reconnect(cfg.reconnect)  # this gradient is lost with the connection
+                w = client.reconnect(opts.reconnect)  # this gradient is lost with the connection
                 reconnects += 1
                 if w.timestamp < last:
                     log.warning("the server's clock went back from %s to %s: it restarted without its checkpoint",

@@ -15,10 +15,10 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Mapping
 
-from ..config import ServerConfig
+from ..config import LaunchConfig, LearnerConfig
 from ..errors import ConfigError, RudraError
 from ..layout import Shard
 from ..transports.base import format_host_port, parse_host_port
@@ -50,64 +50,52 @@ def rank_from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
     raise ConfigError(f"no cluster rank in the environment ({known}); pass --rank and --world-size")
 
 
-@dataclass
-class LaunchConfig:
-    """One process of a launched job. ``server`` configures every shard server (its listen
-    address and shard are set per rank); ``learner`` holds the learners' options."""
+def resolve(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> LaunchConfig:
+    """``cfg`` with rank, world size and job id filled from the environment; the combination checked."""
+    cfg = replace(cfg)
+    if (cfg.rank is None) != (cfg.world_size is None):
+        raise ConfigError("give both --rank and --world-size, or neither (then they come from the environment)")
+    if cfg.rank is None:
+        cfg.rank, cfg.world_size, engine = rank_from_env(env)
+        log.info("rank %d of %d (from %s)", cfg.rank, cfg.world_size, engine)
+    assert cfg.world_size is not None
+    if cfg.job_id is None:
+        cfg.job_id = next((env[v] for v in JOB_ID_VARS if env.get(v)), "job")
+    if not 1 <= cfg.servers < cfg.world_size:
+        raise ConfigError(f"need 1 <= servers < world size (some learners), got {cfg.servers} of {cfg.world_size}")
+    if not 0 <= cfg.rank < cfg.world_size:
+        raise ConfigError(f"rank {cfg.rank} is outside a world of {cfg.world_size}")
+    if not os.path.isdir(cfg.rendezvous):
+        raise ConfigError(f"rendezvous directory {cfg.rendezvous} does not exist (it must be shared by all tasks)")
+    cfg.server.validate().check_shards(cfg.servers)
+    cfg.learner.validate()
+    return cfg
 
-    rendezvous: str
-    servers: int = 1
-    rank: int | None = None  # None: from the environment
-    world_size: int | None = None
-    job_id: str | None = None  # None: from the environment, else "job"
-    advertise: str | None = None  # the host name learners use to reach this server (default: hostname)
-    listen_host: str = "0.0.0.0"
-    port: int = 0  # 0: any free port
-    wait: float = 300.0  # how long a learner waits for every server's address
-    server: ServerConfig = field(default_factory=ServerConfig)
-    learner: dict[str, Any] = field(default_factory=dict)
 
-    def resolve(self, env: Mapping[str, str] = os.environ) -> "LaunchConfig":
-        """Fill rank, world size and job id from the environment; check the combination."""
-        cfg = replace(self)
-        if (cfg.rank is None) != (cfg.world_size is None):
-            raise ConfigError("give both --rank and --world-size, or neither (then they come from the environment)")
-        if cfg.rank is None:
-            cfg.rank, cfg.world_size, engine = rank_from_env(env)
-            log.info("rank %d of %d (from %s)", cfg.rank, cfg.world_size, engine)
-        if cfg.job_id is None:
-            cfg.job_id = next((env[v] for v in JOB_ID_VARS if env.get(v)), "job")
-        if not 1 <= cfg.servers < cfg.world_size:
-            raise ConfigError(f"need 1 <= servers < world size (some learners), got {cfg.servers} of {cfg.world_size}")
-        if not 0 <= cfg.rank < cfg.world_size:
-            raise ConfigError(f"rank {cfg.rank} is outside a world of {cfg.world_size}")
-        if not os.path.isdir(cfg.rendezvous):
-            raise ConfigError(f"rendezvous directory {cfg.rendezvous} does not exist (it must be shared by all tasks)")
-        cfg.server.check_shards(cfg.servers)
-        return cfg
+def learners_of(cfg: LaunchConfig) -> int:
+    """Learner tasks in the job (every rank that does not serve a shard)."""
+    assert cfg.world_size is not None
+    return cfg.world_size - cfg.servers
 
-    @property
-    def learners(self) -> int:
-        assert self.world_size is not None
-        return self.world_size - self.servers
 
-    def address_file(self, shard: int) -> str:
-        return os.path.join(self.rendezvous, f"{self.job_id}.shard{shard}.url")
+def address_file(cfg: LaunchConfig, shard: int) -> str:
+    """Where shard ``shard``'s server publishes its address."""
+    return os.path.join(cfg.rendezvous, f"{cfg.job_id}.shard{shard}.url")
 
 
 def launch(cfg: LaunchConfig) -> dict[str, Any]:
     """Run this process's role; returns its result (server statistics or learner summary)."""
-    cfg = cfg.resolve()
+    cfg = resolve(cfg)
     assert cfg.rank is not None
     if cfg.rank < cfg.servers:
         from ..eventloop import run
 
         return {"role": "server", "rank": cfg.rank, **run(serve_shard(cfg, Shard(cfg.rank, cfg.servers)))}
-    from ..learner.training import LearnerConfig, run_learner
+    from ..learner.training import run_learner
 
     index = cfg.rank - cfg.servers
     urls = wait_for_servers(cfg)
-    summary = run_learner(LearnerConfig(connect=",".join(urls), index=index, **cfg.learner))
+    summary = run_learner(LearnerConfig(connect=",".join(urls), index=index, options=cfg.learner))
     return {"role": "learner", "rank": cfg.rank, "index": index, **summary}
 
 
@@ -117,7 +105,7 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
     from ..server import ParameterServer
 
     server_cfg = cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, cfg.port))
-    path = cfg.address_file(shard.index)
+    path = address_file(cfg, shard.index)
     async with ParameterServer(server_cfg) as ps:
         ps.close_on_signals()
         _, port = parse_host_port(ps.addresses[0], "tcp")
@@ -125,14 +113,14 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
         idle_since = time.monotonic()
         try:
             while not ps.closing:
-                learners = {l.name for l in ps.learners.values()}  # a reconnect says hello again, same name
-                if any(l.connected for l in ps.learners.values()):
+                learners = {info.name for info in ps.core.learners.values()}  # a reconnect says hello again, same name
+                if any(info.connected for info in ps.core.learners.values()):
                     idle_since = time.monotonic()
-                elif len(learners) >= cfg.learners:
+                elif len(learners) >= learners_of(cfg):
                     break  # every learner of the job came and went
                 elif time.monotonic() - idle_since > cfg.wait:
                     log.warning("shard %s: %d of %d learners came; none connected for %g s, ending", shard,
-                                len(learners), cfg.learners, cfg.wait)
+                                len(learners), learners_of(cfg), cfg.wait)
                     break
                 await asyncio.sleep(0.1)
         finally:
@@ -144,7 +132,7 @@ def wait_for_servers(cfg: LaunchConfig) -> list[str]:
     """Every shard server's address, in shard order, once all are published and accept
     connections (a file left by a dead server of an earlier run is waited past)."""
     deadline = time.monotonic() + cfg.wait
-    paths = [cfg.address_file(i) for i in range(cfg.servers)]
+    paths = [address_file(cfg, i) for i in range(cfg.servers)]
     while True:
         urls = [_read_address(p) for p in paths]
         waiting = [p for p, url in zip(paths, urls) if url is None or not _accepts(url)]

@@ -24,7 +24,8 @@ import numpy as np
 from ..client import Client
 from ..errors import RemoteError, RudraError
 from ..server import ParameterServer
-from .train import TrainConfig, summarize
+from ..config import TrainConfig
+from .train import summarize
 
 #: scheduling points a released learner may take before the scheduler calls it stuck
 MAX_SPINS = 100_000
@@ -50,8 +51,8 @@ class Scheduler:
         return fut
 
     def _quiet(self) -> bool:
-        waiting = self.server.waiting
-        return all(s in ("turn", "done") or (s == "request" and self.ids.get(i) in waiting)
+        blocked = self.server.blocked
+        return all(s in ("turn", "done") or (s == "request" and self.ids.get(i) in blocked)
                    for i, s in self.state.items())
 
     async def run(self) -> None:
@@ -66,7 +67,7 @@ class Scheduler:
                 if all(s == "done" for s in self.state.values()):
                     return
                 proto = {k: (sorted(v) if isinstance(v, (set, dict)) else v)
-                         for k, v in vars(self.server.protocol).items() if k not in ("now", "pending", "held")}
+                         for k, v in vars(self.server.core.protocol).items() if k not in ("now", "pending", "held")}
                 raise RudraError(f"simulation deadlock at clock {self.server.clock}: every learner waits ({proto})")
             when, _, index = heapq.heappop(self.queue)
             self.now = max(self.now, when)
@@ -81,14 +82,14 @@ async def _learner(index: int, cfg: TrainConfig, url: str, dataset: Any, steps: 
     from ..learner.data import minibatches
     from ..learner.training import FlatModel, build_model
 
-    model = build_model(cfg.model, dataset, cfg.seed)
+    model = build_model(cfg.learner.model, dataset, cfg.learner.seed)
     flat = FlatModel(model)
     client = await Client.connect(url, flat.layout, flat.weights.numpy(), name=f"sim-{index}")
     sched.ids[index] = client.learner_id
     client.weights = flat.weights.numpy()  # pulled weights land in the model
     w = await client.pull()
     x, y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
-    batches = minibatches(len(y), cfg.batch_size, rng)
+    batches = minibatches(len(y), cfg.learner.batch_size, rng)
     step = 0
     try:
         while not w.stop and (steps is None or step < steps):
@@ -116,10 +117,10 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
 
     cfg.validate()
     torch.set_num_threads(1)
-    dataset = datasets.load(cfg.dataset)
+    dataset = datasets.load(cfg.learner.dataset)
     steps = cfg.steps_per_learner(len(dataset.y_train))
     started = time.monotonic()
-    rng = np.random.default_rng([cfg.seed, 7919])
+    rng = np.random.default_rng([cfg.learner.seed, 7919])
     speed = np.exp(rng.normal(0.0, heterogeneity, cfg.learners)) if heterogeneity else np.ones(cfg.learners)
     budget = steps or max(1, (cfg.updates or 1000) * 4)
     async with ParameterServer(cfg.server_config("memory://", len(dataset.y_train))) as server:
@@ -129,7 +130,7 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
             sched.state[i] = "request"
             durations = speed[i] * np.clip(1.0 + jitter * rng.standard_normal(min(budget, 100_000)), 0.1, None)
             tasks.append(asyncio.create_task(_learner(i, cfg, server.addresses[0], dataset, steps, sched, durations,
-                                                      np.random.default_rng([cfg.seed, i]))))
+                                                      np.random.default_rng([cfg.learner.seed, i]))))
         runner = asyncio.create_task(sched.run())
         try:
             await asyncio.gather(runner, *tasks)  # the first failure propagates at once

@@ -31,17 +31,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import ServerConfig
+from ..config import TrainConfig
 from ..errors import ConfigError
 from ..eventloop import run as run_loop
-from .train import TrainConfig
+from ..options import check_known, from_flat
 
-TRAIN_KEYS = {"learners", "batch_size", "epochs", "updates", "seed", "model", "dataset", "transport", "shards"}
-SERVER_KEYS = {"protocol", "n", "staleness_bound", "backup", "lr", "momentum", "weight_decay", "nesterov",
-               "lr_policy", "mean_staleness_window", "warmup", "lr_decay_at", "lr_decay", "lr_decay_unit",
-               "lr_scale_ref_batch", "kernel"}
-SIM_KEYS = {"jitter", "heterogeneity"}
-RUN_KEYS = TRAIN_KEYS | SERVER_KEYS | SIM_KEYS | {"mode", "group"}
+#: what a point may set besides a run's settings (TrainConfig.settings(), i.e. train's flags)
+SIM_KEYS = ("jitter", "heterogeneity")
+POINT_KEYS = ("mode", "group", *SIM_KEYS)
 
 
 def _load_toml(path: Path) -> dict[str, Any]:
@@ -69,9 +66,7 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
             raise ConfigError(f"runs[{i}].grid must map keys to non-empty lists")
         for combo in itertools.product(*grid.values()):
             point = {**defaults, **fixed, **dict(zip(grid, combo))}
-            unknown = set(point) - RUN_KEYS
-            if unknown:
-                raise ConfigError(f"runs[{i}]: unknown keys {sorted(unknown)}; known: {sorted(RUN_KEYS)}")
+            check_known(point, [*TrainConfig.settings(), *POINT_KEYS], f"runs[{i}]")
             point.setdefault("mode", "simulated")
             point.setdefault("group", f"runs{i}")
             if point["mode"] not in ("simulated", "processes"):
@@ -90,8 +85,9 @@ def run_id(point: dict[str, Any]) -> str:
 
 
 def to_config(point: dict[str, Any]) -> TrainConfig:
-    server = ServerConfig(**{k: (tuple(v) if k == "lr_decay_at" else v) for k, v in point.items() if k in SERVER_KEYS})
-    cfg = TrainConfig(server=server, **{k: v for k, v in point.items() if k in TRAIN_KEYS})
+    """The run a point describes (its settings are those of ``rudra-async train``)."""
+    settings = {k: v for k, v in point.items() if k not in POINT_KEYS}
+    cfg: TrainConfig = from_flat(TrainConfig, settings, exclude=TrainConfig.SET_BY_RUN, where="study point")
     return cfg.validate()
 
 

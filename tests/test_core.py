@@ -1,0 +1,180 @@
+"""The server core without sockets or an event loop: registration, every push refusal,
+the update, snapshot and restore. Requests are frames built by the wire format itself."""
+import numpy as np
+import pytest
+
+from rudra_async.config import ServerConfig
+from rudra_async.errors import ConfigError, RequestError
+from rudra_async.layout import Layout
+from rudra_async.server.core import ServerCore
+from rudra_async.wire import Frame, FrameReader, MsgType, encode_frame
+
+LAYOUT = Layout.from_shapes([("w", (2, 3)), ("b", (3,))])
+W0 = np.arange(LAYOUT.size, dtype=np.float32) / 10
+
+
+def frame(msg_type: MsgType, meta: dict, arrays=()) -> Frame:
+    """A received frame, exactly as a transport would hand it over."""
+    reader = FrameReader()
+    frames = []
+    for part in encode_frame(msg_type, meta, list(arrays)):
+        data = memoryview(part).cast("B")
+        while len(data):
+            buf = reader.get_buffer()
+            n = min(len(buf), len(data))
+            buf[:n] = data[:n]
+            data = data[n:]
+            frames += reader.advance(n)
+    (out,) = frames
+    return out
+
+
+def hello(core: ServerCore, initial=W0, layout=LAYOUT, **meta):
+    wire_layout = layout.to_wire() if isinstance(layout, Layout) else layout
+    f = frame(MsgType.HELLO, {"name": "t", "layout": wire_layout, **meta}, [] if initial is None else [initial])
+    return core.register(f.meta, f.arrays, "test")
+
+
+def push(core: ServerCore, learner, grad, **meta):
+    f = frame(MsgType.PUSH, {"timestamp": core.clock, **meta}, [grad])
+    return core.push(learner, f.meta, f)
+
+
+def code_of(call) -> str:
+    with pytest.raises(RequestError) as info:
+        call()
+    return info.value.code
+
+
+def test_the_first_hello_brings_the_weights_and_later_ones_must_match():
+    core = ServerCore(ServerConfig(kernel="numpy"))
+    assert core.store is None
+    assert code_of(lambda: hello(core, initial=None)) == "no_weights"
+    assert code_of(lambda: hello(core, initial=W0[:-1])) == "no_weights"
+    assert code_of(lambda: hello(core, initial=W0.astype(np.float64))) == "no_weights"
+    assert code_of(lambda: hello(core, layout="nonsense")) == "bad_layout"
+    assert code_of(lambda: hello(core, layout=[["w", [-1]]])) == "bad_layout"
+    assert code_of(lambda: hello(core, shard=[1, 2])) == "shard_mismatch"
+    assert code_of(lambda: hello(core, shard="x")) == "bad_request"
+    assert core.store is None and not core.learners  # nothing refused changed anything
+    a = hello(core)
+    np.testing.assert_array_equal(core.store.weights, W0)
+    b = hello(core, initial=None)  # later learners need not send weights
+    assert (a.learner_id, b.learner_id) == (0, 1)
+    assert code_of(lambda: hello(core, initial=None, layout=Layout.from_shapes([("w", (9,))]))) == "layout_mismatch"
+    welcome = core.welcome(b)
+    assert welcome["learner_id"] == 1 and welcome["layout"] == LAYOUT.to_wire() and welcome["clock"] == 0
+    assert welcome["range"] == [0, LAYOUT.size] and welcome["protocol"] == "async"
+    core.leave(a)
+    assert not a.connected and b.connected
+    assert core.protocol.members == {1}
+
+
+def test_every_push_refusal_has_its_code_and_changes_nothing():
+    changes = []
+    core = ServerCore(ServerConfig(kernel="numpy", max_updates=2), on_change=lambda: changes.append(1))
+    learner = hello(core)
+    good = np.ones(LAYOUT.size, np.float32)
+    nan = good.copy()
+    nan[3] = np.nan
+    cases = {
+        "bad_request": [lambda: push(core, learner, good, learner_id=7),
+                        lambda: push(core, learner, good, timestamp="x"),
+                        lambda: push(core, learner, good, timestamp=True),
+                        lambda: push(core, learner, good, samples=-1),
+                        lambda: push(core, learner, good, samples=1.5)],
+        "bad_timestamp": [lambda: push(core, learner, good, timestamp=-1),
+                          lambda: push(core, learner, good, timestamp=1)],
+        "bad_shape": [lambda: push(core, learner, good[:-1]),
+                      lambda: push(core, learner, good.reshape(3, 3))],
+        "bad_dtype": [lambda: push(core, learner, good.astype(np.float64)),
+                      lambda: push(core, learner, good.astype(np.int32))],
+        "bad_gradient": [lambda: push(core, learner, nan),
+                         lambda: push(core, learner, np.full(LAYOUT.size, np.inf, np.float32))],
+    }
+    changes.clear()
+    for code, calls in cases.items():
+        for call in calls:
+            assert code_of(call) == code
+    assert core.clock == 0 and not changes
+    np.testing.assert_array_equal(core.store.weights, W0)
+    for _ in range(2):
+        assert push(core, learner, good).outcome == "applied"
+    assert core.stopped
+    assert code_of(lambda: push(core, learner, good)) == "stopped"
+    assert core.clock == 2
+
+
+def test_an_update_follows_sgd_and_is_accounted():
+    updates = []
+    core = ServerCore(ServerConfig(kernel="numpy", lr=0.5, momentum=0.0), on_update=updates.append)
+    learner = hello(core)
+    g = np.linspace(-1, 1, LAYOUT.size).astype(np.float32)
+    pending = push(core, learner, g, samples=4, loss=2.5)
+    assert (pending.outcome, pending.staleness, updates) == ("applied", 0, [1])
+    np.testing.assert_allclose(core.store.weights, W0 - 0.5 * g, rtol=1e-6)
+    stale = push(core, learner, g, timestamp=0)
+    assert stale.staleness == 1
+    stats = core.stats()
+    assert (stats["updates"], stats["gradients"], stats["samples"]) == (2, 2, 4)
+    assert stats["staleness_histogram"] == {"0": 1, "1": 1}
+    assert stats["learners"]["0"]["gradients"] == 2 and stats["loss_curve"] == [[0, 2.5]]
+
+
+def test_snapshot_and_restore_continue_the_run_bit_for_bit():
+    cfg = dict(kernel="numpy", lr=0.1, momentum=0.9, lr_policy="mean-staleness", mean_staleness_window=3)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(LAYOUT.size).astype(np.float32) for _ in range(6)]
+
+    def run(core, learner, gs, stale_every=2):
+        for i, g in enumerate(gs):
+            push(core, learner, g, timestamp=max(0, core.clock - (i % stale_every)), samples=3)
+
+    original = ServerCore(ServerConfig(**cfg))
+    learner = hello(original)
+    run(original, learner, grads[:4])
+    with original.store.lease() as (clock, weights):
+        state = original.snapshot(clock, weights)
+    resumed = ServerCore(ServerConfig(**cfg))
+    resumed.restore(state)
+    assert (resumed.clock, resumed.samples) == (original.clock, original.samples) == (4, 12)
+    assert resumed.staleness.to_dict() == original.staleness.to_dict()
+    assert resumed.lr_policy.state() == original.lr_policy.state()
+    np.testing.assert_array_equal(resumed.store.updater.momentum, original.store.updater.momentum)
+    run(original, learner, grads[4:])
+    run(resumed, hello(resumed, initial=None), grads[4:])
+    np.testing.assert_array_equal(resumed.store.weights, original.store.weights)
+    assert resumed.stats()["staleness_histogram"] == original.stats()["staleness_histogram"]
+
+
+def test_restore_refuses_a_foreign_shard_or_a_second_source():
+    core = ServerCore(ServerConfig(kernel="numpy"))
+    hello(core)
+    with core.store.lease() as (clock, weights):
+        state = core.snapshot(clock, weights)
+    with pytest.raises(ConfigError, match="not both"):
+        core.restore(state)
+    from rudra_async.layout import Shard
+
+    with pytest.raises(ConfigError, match="holds shard 0/1, but this server is shard 1/2"):
+        ServerCore(ServerConfig(kernel="numpy", shard=Shard(1, 2))).restore(state)
+
+
+def test_gradients_a_protocol_still_holds_when_the_run_stops_are_answered_dropped():
+    """bounded s = 1: a's second gradient is held for d (computing on clock 1) when the update
+    that reaches max_updates happens; it must be settled `dropped`, not left pending."""
+    core = ServerCore(ServerConfig(kernel="numpy", protocol="bounded", staleness_bound=1, max_updates=2))
+    a, b, c, d = (hello(core, initial=W0 if i == 0 else None) for i in range(4))
+    g = np.ones(LAYOUT.size, np.float32)
+    for learner in (a, b, c):
+        core.pulled(learner, 0)
+    assert push(core, a, g).outcome == "applied"  # clock 1
+    core.pulled(a, 1)
+    core.pulled(d, 1)
+    held = push(core, a, g)
+    assert held.outcome == "pending" and held.wait_applied  # b and c still compute on clock 0
+    assert push(core, b, g, timestamp=0).outcome == "pending"
+    assert push(core, c, g, timestamp=0).outcome == "applied"  # b and c go together: clock 2
+    assert core.stopped and core.clock == 2
+    assert held.outcome == "dropped"
+    assert core.rejected["stopped"] == 1 and not core.protocol.held
