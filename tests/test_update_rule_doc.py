@@ -5,8 +5,9 @@ The example's inputs and every number are read out of the document; the recomput
 below is written from the text alone (plain numpy float32, Python floats for the scalars)
 and imports nothing of the server's update path (no ``rudra_async.kernels``, no
 ``rudra_async.lr``). Then the example's messages are replayed against a real server over
-TCP, with the numpy and torch kernels, and the same replay with other settings checks the
-rest of the text (each policy, Nesterov, decay by updates, no momentum).
+TCP, with the numpy and torch kernels (and cupy where a CUDA device is visible), and the
+same replay with other settings checks the rest of the text (each policy, Nesterov, decay
+by updates, no momentum).
 """
 from __future__ import annotations
 
@@ -357,14 +358,17 @@ async def replay_on_server(ex: Example, settings: dict, kernel: str, tmp_path: P
     return replies, thetas, checkpoint.load(path).momentum
 
 
+KERNELS = ["numpy", "torch", "cupy"]  # cupy is skipped without a CUDA device
+
+
 def assert_weights(kernel: str, got: np.ndarray, expected: np.ndarray, what: str) -> None:
     if kernel == "numpy":  # the reference order of operations: bit for bit
         assert np.array_equal(got, expected), f"{what}: {got.tolist()} != {expected.tolist()}"
-    else:  # fused multiply-adds may change the last bits
+    else:  # torch, cupy: fused multiply-adds may change the last bits
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7, err_msg=what)
 
 
-@pytest.mark.parametrize("kernel", ["numpy", "torch"])
+@pytest.mark.parametrize("kernel", KERNELS)
 async def test_a_server_reproduces_the_worked_example(kernel, tmp_path):
     ex = read_example()
     replies, thetas, momentum = await asyncio.wait_for(replay_on_server(ex, ex.settings, kernel, tmp_path), 30)
@@ -388,7 +392,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["numpy", "torch"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 async def test_a_server_follows_the_text_with_other_settings(variant, kernel, tmp_path):
     ex = read_example()
