@@ -6,9 +6,12 @@
 It listens on the URL, connects to the listener's address, and checks the contract of
 :mod:`rudra_async.transports.base`: small and large frames (over 256 MiB) both ways,
 ordering with many frames in flight, concurrent connections, close semantics, reconnects,
-and — for transports that cross processes — that a peer killed in the middle of a frame
-gives an error, never a hang or a partial frame. Raises AssertionError on a violation;
-returns the names of the checks that ran.
+back-pressure (a receiver that stops reading makes ``send`` wait long before
+``CLOG_LIMIT`` bytes were accepted, and the send completes once it reads again), size
+limits (``FrameTooLarge`` from the sender before sending, and from the receiver before
+allocating), and — for transports that cross processes — that a peer killed in the middle
+of a frame gives an error, never a hang or a partial frame. Raises AssertionError on a
+violation; returns the names of the checks that ran.
 """
 from __future__ import annotations
 
@@ -23,11 +26,15 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from . import transports
-from .errors import ConnectionClosed, PeerGone, RudraError
-from .transports.base import Connection
-from .wire import Limits, MsgType
+from .errors import ConnectionClosed, FrameTooLarge, PeerGone, RudraError
+from .transports.base import Connection, Transport
+from .wire import Frame, Limits, MsgType
 
 MiB = 1 << 20
+#: a transport must make ``send`` wait before a receiver that reads nothing was sent this much
+CLOG_LIMIT = 256 * MiB
+#: how long a ``send`` to a clogged receiver may take before it counts as waiting
+CLOG_WAIT_S = 0.5
 CHECKS: list[Callable[["_Suite"], Awaitable[None]]] = []
 
 
@@ -45,11 +52,13 @@ def _payload(nbytes: int, seed: int) -> np.ndarray:
 
 
 class _Suite:
-    def __init__(self, url: str, limits: Limits, large: tuple[int, ...], timeout: float) -> None:
-        self.url, self.limits, self.large, self.timeout = url, limits, large, timeout
+    def __init__(self, url: str, transport: Transport, limits: Limits, large: tuple[int, ...],
+                 timeout: float) -> None:
+        self.url, self.transport, self.limits, self.large, self.timeout = url, transport, limits, large, timeout
         self.address = ""
         self.victim_outcome: asyncio.Future[BaseException | None] | None = None
         self.server_saw_close: asyncio.Future[type] | None = None
+        self.unclog: asyncio.Future[None] | None = None
 
     async def echo(self, conn: Connection) -> None:
         """Server side: send every frame back; obey a few commands carried in the metadata."""
@@ -67,8 +76,27 @@ class _Suite:
             if cmd == "close":
                 conn.close()
                 return
-            meta = {k: v for k, v in frame.meta.items() if k != "seg"}
-            await conn.send(frame.msg_type, meta, frame.arrays)
+            if cmd == "clog":
+                await self._clogged(conn)
+            elif cmd == "send":
+                await conn.send(MsgType.PUSH, {}, [np.zeros(frame.meta["nbytes"], np.uint8)])
+            else:
+                await self._echo_one(conn, frame)
+            frame.release()
+
+    async def _echo_one(self, conn: Connection, frame: Frame) -> None:
+        await conn.send(frame.msg_type, {k: v for k, v in frame.meta.items() if k != "seg"}, frame.arrays)
+
+    async def _clogged(self, conn: Connection) -> None:
+        """Read nothing until ``unclog``; then drop frames up to one with ``cmd: unclogged``, and echo that."""
+        assert self.unclog is not None
+        await self.unclog
+        while True:
+            frame = await conn.recv()
+            if frame.meta.get("cmd") == "unclogged":
+                await self._echo_one(conn, frame)
+                frame.release()
+                return
             frame.release()
 
     async def _watch_victim(self, conn: Connection) -> None:
@@ -82,8 +110,8 @@ class _Suite:
         if not self.victim_outcome.done():
             self.victim_outcome.set_result(outcome)
 
-    async def connect(self) -> Connection:
-        return await transports.connect(self.address, limits=self.limits, timeout=self.timeout)
+    async def connect(self, limits: Limits | None = None) -> Connection:
+        return await self.transport.connect(self.address, limits=limits or self.limits, timeout=self.timeout)
 
     async def round_trip(self, conn: Connection, arrays: list[np.ndarray], **meta: Any) -> None:
         await conn.send(MsgType.PUSH, meta, arrays)
@@ -101,7 +129,7 @@ class _Suite:
 @_check
 async def small_frames(s: _Suite) -> None:
     conn = await s.connect()
-    cases = [[], [np.zeros(0, np.float32)], [np.arange(7, dtype=np.int64)],
+    cases: list[list[np.ndarray]] = [[], [np.zeros(0, np.float32)], [np.arange(7, dtype=np.int64)],
              [np.ones((3, 4), np.float16), np.arange(5, dtype=np.uint8), np.zeros((0, 2), np.float64)]]
     for i, arrays in enumerate(cases):
         await s.round_trip(conn, arrays, i=i, text="é", nested={"a": [1, 2.5, None]})
@@ -147,30 +175,37 @@ async def close_semantics(s: _Suite) -> None:
     conn = await s.connect()
     await s.round_trip(conn, [np.ones(3, np.float32)])
     s.server_saw_close = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(conn.recv())
+    await asyncio.sleep(0.01)
     conn.close()
     conn.close()  # twice is harmless
     assert conn.is_closed
+    await _raises(ConnectionClosed, waiting, s.timeout, "a recv waiting during a local close must raise "
+                  "ConnectionClosed")
     await asyncio.wait_for(conn.wait_lost(), s.timeout)
     for op in (conn.recv(), conn.send(MsgType.PULL, {})):
-        try:
-            await op
-        except ConnectionClosed:
-            pass
-        else:
-            raise AssertionError("using a locally closed connection must raise ConnectionClosed")
+        await _raises(ConnectionClosed, op, s.timeout, "using a locally closed connection must raise ConnectionClosed")
     seen = await asyncio.wait_for(s.server_saw_close, s.timeout)
     assert seen is PeerGone, f"the server side saw {seen.__name__} when the client closed, not PeerGone"
     # the other way round: the server closes, the client sees PeerGone
     conn = await s.connect()
     await conn.send(MsgType.BYE, {"cmd": "close"})
-    try:
-        await asyncio.wait_for(conn.recv(), s.timeout)
-    except PeerGone:
-        pass
-    else:
-        raise AssertionError("recv after the peer closed must raise PeerGone")
+    await _raises(PeerGone, conn.recv(), s.timeout, "recv after the peer closed must raise PeerGone")
     await asyncio.wait_for(conn.wait_lost(), s.timeout)
     conn.close()
+
+
+async def _raises(expected: type[BaseException], aw: Awaitable[Any], timeout: float, violation: str) -> BaseException:
+    """The ``expected`` exception ``aw`` raises within ``timeout``; else AssertionError(``violation``)."""
+    try:
+        await asyncio.wait_for(aw, timeout)
+    except expected as exc:
+        return exc
+    except asyncio.TimeoutError:
+        raise AssertionError(f"{violation} (it hung for {timeout:g} s)") from None
+    except Exception as exc:
+        raise AssertionError(f"{violation}, not {exc!r}") from exc
+    raise AssertionError(f"{violation} (it returned)")
 
 
 @_check
@@ -179,6 +214,74 @@ async def reconnect(s: _Suite) -> None:
         conn = await s.connect()
         await s.round_trip(conn, [np.full(10, attempt, np.int16)], attempt=attempt)
         conn.close()
+
+
+@_check
+async def back_pressure(s: _Suite) -> None:
+    conn = await s.connect()
+    s.unclog = asyncio.get_running_loop().create_future()
+    try:
+        await conn.send(MsgType.HELLO, {"cmd": "clog"})
+        blocked = await _send_until_blocked(conn, np.zeros(MiB, np.uint8))
+        s.unclog.set_result(None)
+        try:
+            await asyncio.wait_for(blocked, s.timeout)
+        except asyncio.TimeoutError:
+            raise AssertionError("a send waiting on a clogged receiver must complete once it reads again") from None
+        await s.round_trip(conn, [np.arange(5, dtype=np.int32)], cmd="unclogged")
+    finally:
+        if not s.unclog.done():
+            s.unclog.set_result(None)
+        conn.close()
+
+
+async def _send_until_blocked(conn: Connection, chunk: np.ndarray) -> asyncio.Future[None]:
+    """Send ``chunk`` until a send waits longer than CLOG_WAIT_S; return that send, still running."""
+    accepted = 0
+    while accepted < CLOG_LIMIT:
+        sending = asyncio.ensure_future(conn.send(MsgType.PUSH, {}, [chunk]))
+        done, _ = await asyncio.wait({sending}, timeout=CLOG_WAIT_S)
+        if not done:
+            return sending
+        sending.result()
+        accepted += chunk.nbytes
+    raise AssertionError(f"send accepted {accepted // MiB} MiB for a receiver that reads nothing and never "
+                         "waited: the transport must bound what it buffers (back-pressure)")
+
+
+@_check
+async def size_limits(s: _Suite) -> None:
+    small = Limits(max_meta=4096, max_body=MiB)
+    conn = await s.connect(small)
+    for meta, arrays in (({}, [np.zeros(MiB + 4, np.uint8)]), ({"pad": "x" * 5000}, [])):
+        await _raises(FrameTooLarge, conn.send(MsgType.PUSH, meta, arrays), s.timeout,
+                      "send beyond the sender's limits must raise FrameTooLarge")
+    await _still_in_sync(s, conn)
+    conn.close()
+    conn = await s.connect(small)  # a receiver with smaller limits than its peer's
+    asked: list[int] = []
+
+    def allocate(msg_type: int, meta: dict[str, Any], nbytes: int) -> None:
+        asked.append(nbytes)
+
+    conn.allocator = allocate
+    await conn.send(MsgType.PULL, {"cmd": "send", "nbytes": 2 * MiB})
+    exc = await _raises(FrameTooLarge, conn.recv(), s.timeout, "recv of a body beyond the receiver's limits must "
+                        "raise FrameTooLarge")
+    assert getattr(exc, "fatal", False), "FrameTooLarge from recv must be fatal"
+    assert all(n <= small.max_body for n in asked), f"a body beyond the limits was allocated: {asked}"
+    conn.close()
+
+
+async def _still_in_sync(s: _Suite, conn: Connection) -> None:
+    """After a refused send, no byte of it went out: a frame still round-trips, or the
+    connection was closed; it never hangs on half a frame."""
+    try:
+        await s.round_trip(conn, [np.ones(3, np.float32)], after="refused")
+    except (PeerGone, ConnectionClosed):
+        pass
+    except asyncio.TimeoutError:
+        raise AssertionError("part of a frame refused with FrameTooLarge went out: the peer lost sync") from None
 
 
 _VICTIM = textwrap.dedent("""
@@ -198,7 +301,7 @@ _VICTIM = textwrap.dedent("""
 
 @_check
 async def peer_killed_mid_frame(s: _Suite) -> None:
-    if transports.transport_for(s.url).in_process:
+    if s.transport.in_process:
         return  # no second process can share an in-process transport
     s.victim_outcome = asyncio.get_running_loop().create_future()
     proc = await asyncio.create_subprocess_exec(
@@ -217,11 +320,14 @@ async def peer_killed_mid_frame(s: _Suite) -> None:
         await proc.communicate()  # reap it and close its pipe
 
 
-async def check_transport(url: str, *, limits: Limits = Limits(), large: tuple[int, ...] = (MiB, 64 * MiB, 257 * MiB),
-                          timeout: float = 60.0, only: tuple[str, ...] = ()) -> list[str]:
-    """Run every contract check (or those named in ``only``) against the transport of ``url``."""
-    suite = _Suite(url, limits, large, timeout)
-    listener = await transports.listen(url, suite.echo, limits=limits)
+async def check_transport(url: str, *, transport: Transport | None = None, limits: Limits = Limits(),
+                          large: tuple[int, ...] = (MiB, 64 * MiB, 257 * MiB), timeout: float = 60.0,
+                          only: tuple[str, ...] = ()) -> list[str]:
+    """Run every contract check (or those named in ``only``) against ``transport`` (by
+    default the one registered for ``url``'s scheme), listening on ``url``."""
+    transport = transport or transports.transport_for(url)
+    suite = _Suite(url, transport, limits, large, timeout)
+    listener = await transport.listen(url, suite.echo, limits=limits)
     suite.address = listener.address
     ran = []
     try:

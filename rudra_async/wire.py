@@ -14,7 +14,9 @@ normative description.
 """
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -155,7 +157,7 @@ def encode_frame(
                 raise MalformedFrame("arrays must be C-contiguous (use np.ascontiguousarray)")
             specs.append(spec_of(a).to_wire())
             if a.nbytes:
-                views.append(memoryview(a.reshape(-1).view(np.uint8)))
+                views.append(a.reshape(-1).view(np.uint8).data)
         meta["seg"] = specs
     packed = msgpack.packb(meta, use_bin_type=True)
     body_len = sum(v.nbytes for v in views)
@@ -165,6 +167,21 @@ def encode_frame(
         raise FrameTooLarge(f"body of {body_len} bytes exceeds the limit of {limits.max_body}")
     head = Header(int(msg_type), 0, len(packed), body_len).pack() + packed
     return [head, *views]
+
+
+def encode_messages(
+    msg_type: int,
+    meta: dict[str, Any] | None = None,
+    arrays: Sequence[np.ndarray] = (),
+    limits: Limits = Limits(),
+) -> list[bytes | memoryview]:
+    """The frame as the messages of a message-based transport: the header, the metadata,
+    then one message per non-empty segment (views, as in :func:`encode_frame`).
+
+    ``FrameReader(messages=True)`` receives them one :meth:`FrameReader.get_buffer` each.
+    """
+    head, *views = encode_frame(msg_type, meta, arrays, limits)
+    return [head[:HEADER_SIZE], *([head[HEADER_SIZE:]] if len(head) > HEADER_SIZE else []), *views]
 
 
 def decode_meta(data: bytes | memoryview) -> dict[str, Any]:
@@ -201,7 +218,7 @@ class Frame:
     def release(self) -> None:
         """Give the body buffer back to the reader for reuse. Idempotent."""
         if self._release is not None:
-            self._release, release = None, self._release
+            release, self._release = self._release, None
             release()
 
     def take(self) -> Frame:
@@ -244,13 +261,20 @@ class FrameReader:
     there, and report the count with :meth:`advance`, which returns the frames finished.
     Reads are exact (header, then metadata, then body), so the body lands directly in its
     final buffer. A fatal :class:`WireError` from ``advance`` means the stream is lost.
+
+    With ``messages=True`` (for message-based transports, see :func:`encode_messages`)
+    :meth:`get_buffer` is exactly the next message: the header, the metadata, then each
+    non-empty segment of the body in turn; and bad metadata before a body is fatal, since
+    the body's messages can no longer be told apart.
     """
 
     _SKIP_CHUNK = 1 << 20
 
-    def __init__(self, limits: Limits = Limits(), allocate: Allocator | None = None) -> None:
+    def __init__(self, limits: Limits = Limits(), allocate: Allocator | None = None, *,
+                 messages: bool = False) -> None:
         self.limits = limits
         self.allocate = allocate
+        self.messages = messages
         self._head = bytearray(HEADER_SIZE)
         self.pool = BufferPool()
         self._begin_header()
@@ -266,6 +290,7 @@ class FrameReader:
         self._error: WireError | None = None
         self._owned: bytearray | None = None
         self._skip_left = 0
+        self._ends: list[int] = []  # messages mode: where each non-empty segment ends in the body
 
     @property
     def mid_frame(self) -> bool:
@@ -273,6 +298,10 @@ class FrameReader:
         return not (self._state == "header" and self._pos == 0)
 
     def get_buffer(self) -> memoryview:
+        """Where the next bytes go (never empty): the rest of the current part, or in
+        messages mode of the current message."""
+        if self._ends:
+            return self._buf[self._pos : self._ends[bisect.bisect_right(self._ends, self._pos)]]
         return self._buf[self._pos :]
 
     def advance(self, n: int) -> list[Frame]:
@@ -297,6 +326,8 @@ class FrameReader:
                 self._meta = decode_meta(self._buf) if self._header.meta_len else {}
                 self._specs = parse_segments(self._meta, self._header.body_len)
             except WireError as exc:
+                if self.messages and self._header.body_len:
+                    raise  # fatal: the body's messages cannot be matched to segments
                 exc.fatal = False
                 self._error = exc
             return self._begin_body()
@@ -329,6 +360,8 @@ class FrameReader:
         elif len(target) != n:
             raise ValueError("allocator returned a buffer of the wrong size")
         self._buf = target.cast("B") if target.format != "B" else target
+        if self.messages:
+            self._ends = sorted(set(itertools.accumulate(s.nbytes for s in self._specs)) - {0})
         return None
 
     def _emit(self, body: memoryview) -> Frame:

@@ -14,6 +14,7 @@ from rudra_async.wire import (
     Limits,
     MsgType,
     encode_frame,
+    encode_messages,
     unpack_header,
 )
 
@@ -158,3 +159,42 @@ def test_body_buffers_are_reused_after_release():
     first.release()
     (second,) = feed(reader, data, [1 << 16])
     assert second.body.obj is first_buf
+
+
+def receive_messages(reader: FrameReader, messages) -> list:
+    """Receive each message into exactly one get_buffer(), as a message-based transport does."""
+    out = []
+    for m in messages:
+        buf = reader.get_buffer()
+        assert len(buf) == len(m), "get_buffer() must be exactly the next message"
+        buf[:] = bytes(m)
+        out += reader.advance(len(m))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrs=st.lists(arrays(), max_size=4), meta=st.dictionaries(st.text(max_size=5).filter(lambda k: k != "seg"),
+                                                                 st.integers(), max_size=3))
+def test_messages_mode_receives_one_message_per_get_buffer(arrs, meta):
+    messages = encode_messages(MsgType.PUSH, meta, arrs)
+    assert len(messages) == 2 + sum(1 for a in arrs if a.nbytes)  # header, metadata, each non-empty segment
+    target = bytearray(sum(a.nbytes for a in arrs))
+    reader = FrameReader(allocate=lambda t, m, n: memoryview(target), messages=True)
+    (frame,) = receive_messages(reader, messages)
+    assert {k: v for k, v in frame.meta.items() if k != "seg"} == meta
+    for a, b in zip(arrs, frame.arrays):
+        assert a.dtype.str == b.dtype.str and a.shape == b.shape and a.tobytes() == b.tobytes()
+        if a.nbytes:
+            assert np.shares_memory(b, np.frombuffer(target, np.uint8))  # zero-copy into the allocator's buffer
+    assert len(receive_messages(reader, messages)) == 1  # and the next frame
+
+
+def test_bad_metadata_before_a_body_is_fatal_in_messages_mode():
+    meta_bytes = b"\xc1"
+    raw = header(meta_len=1, body_len=8) + meta_bytes
+    with pytest.raises(errors.MalformedFrame) as info:
+        receive_messages(FrameReader(messages=True), [raw[:HEADER_SIZE], raw[HEADER_SIZE:]])
+    assert info.value.fatal
+    no_body = header(meta_len=1) + meta_bytes  # nothing to tell apart: reported, not fatal
+    (frame,) = receive_messages(FrameReader(messages=True), [no_body[:HEADER_SIZE], no_body[HEADER_SIZE:]])
+    assert frame.error is not None and not frame.error.fatal

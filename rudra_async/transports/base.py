@@ -6,7 +6,8 @@ A transport is an instance of :class:`Transport` with two coroutines::
     async def listen(url, on_connection, *, limits: Limits) -> Listener
 
 registered under the entry-point group ``rudra_async.transports`` with its URL scheme as
-the name (``myscheme = "my_package:transport"``). Everything above this layer speaks frames (:mod:`rudra_async.wire`), never bytes.
+the name (``myscheme = "my_package:transport"``). Everything above this layer speaks
+frames (:mod:`rudra_async.wire`), never bytes.
 
 Contract, for every transport:
 
@@ -21,22 +22,47 @@ Contract, for every transport:
   transport may recycle the memory after that, so consumers release promptly, and a
   transport that lends memory (shared memory) must not let it change before the release.
 - **Back-pressure.** A transport bounds what it buffers: a receiver that does not consume
-  eventually makes ``send`` wait on the other side; nothing grows without limit.
+  eventually makes ``send`` wait on the other side; nothing grows without limit; and the
+  waiting ``send`` completes once the receiver consumes again.
 - **Size limits.** Bodies up to ``limits.max_body`` (8 GiB by default; 64-bit lengths,
   no 2 GB cliff) and metadata up to ``limits.max_meta`` must work; larger ones are refused
-  with :class:`~rudra_async.errors.FrameTooLarge`, by the sender before sending and by
-  the receiver before allocating.
+  with :class:`~rudra_async.errors.FrameTooLarge`, by the sender before sending (no byte
+  of the frame goes out) and by the receiver before allocating (a fatal error).
 - **Errors.** :class:`~rudra_async.errors.PeerGone` when the peer closed or died or the
   link broke — including in the middle of a frame, which is never delivered in part;
-  :class:`~rudra_async.errors.ConnectionClosed` for any use after a local ``close``; a
-  fatal :class:`~rudra_async.errors.WireError` from ``recv`` when the incoming bytes are
-  not valid framing (the connection is unusable after it); ``ConnectError`` from
-  ``connect``/``listen`` at once for a refused connection or a busy address (never a hang:
-  ``connect`` gives up after ``timeout``). No foreign exception escapes.
+  :class:`~rudra_async.errors.ConnectionClosed` for any use after a local ``close``,
+  also for a ``recv`` already waiting; a fatal :class:`~rudra_async.errors.WireError`
+  from ``recv`` when the incoming bytes are not valid framing (the connection is unusable
+  after it); ``ConnectError`` from ``connect``/``listen`` at once for a refused connection
+  or a busy address (never a hang: ``connect`` gives up after ``timeout``). No foreign
+  exception escapes.
 - **Close.** ``close`` is idempotent, never raises, and makes the peer's ``recv`` raise
   ``PeerGone``. ``Listener.close`` stops accepting, closes every accepted connection and
   waits for their handlers. A listener accepts new connections after old ones closed
   (reconnect).
+
+What :class:`Connection` does for a transport: the life cycle and the inbox. ``recv``,
+``close``, ``is_closed`` and ``wait_lost`` are implemented once, here; a transport
+implements only ``send`` and ``_close_link`` (how its link closes), and reports what
+arrives through the subclass API:
+
+- ``_deliver(frame_or_fatal_error)`` queues a frame in the bounded inbox and wakes
+  ``recv``; a fatal :class:`~rudra_async.errors.WireError` (then in ``_fatal``) is raised
+  by every later ``recv``, and nothing after it is queued. ``_advance(reader, n)`` does this for bytes
+  written into a :class:`~rudra_async.wire.FrameReader` (``FrameReader(limits,
+  self._allocate)`` honours :attr:`Connection.allocator`).
+- ``_connection_lost(PeerGone(...))``: the link broke or the peer closed; ``recv`` raises
+  it once the frames before it were consumed. ``_check_open()`` raises ConnectionClosed
+  or that PeerGone (call it in ``send``).
+- Back-pressure: the inbox is full at ``_inbox_frames`` frames (8) or ``_inbox_bytes``
+  bytes of bodies (no limit), class attributes a transport may change. While
+  ``_inbox_full`` the transport stops taking frames: a stream pauses reading, a
+  message-based transport stops posting receives (``await self._inbox_room()``, False
+  once the connection takes nothing more), an in-process sender waits on its peer's.
+  ``_on_consumed()`` is called after ``recv`` took a frame (e.g. to resume reading).
+
+Optional capabilities of a :class:`Transport` have defaults: ``in_process`` (no second
+process can reach it) and :meth:`Transport.shared_memory` (memory it sends by reference).
 
 :func:`rudra_async.testing.check_transport` checks all of this against a live transport.
 """
@@ -44,49 +70,188 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import logging
+import sys
 from typing import Any, Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, RudraError
-from ..wire import Allocator, Frame, Limits
+from ..errors import ConfigError, ConnectionClosed, PeerGone, RudraError, WireError
+from ..wire import Allocator, Frame, FrameReader, Limits
 
 log = logging.getLogger(__name__)
 
 
 class Connection(abc.ABC):
-    """One bidirectional, ordered stream of frames (see the module docstring for the contract)."""
+    """One bidirectional, ordered stream of frames (see the module docstring for the contract).
+
+    The life cycle is implemented here once; a transport implements :meth:`send` and
+    :meth:`_close_link`, calls ``super().__init__(peer)``, and feeds what arrives through
+    :meth:`_deliver` (or :meth:`_advance` with a :class:`~rudra_async.wire.FrameReader`)
+    and :meth:`_connection_lost`. Methods and attributes with one underscore are this
+    subclass API; everything else is for users.
+    """
 
     peer: str = "?"
     #: optional hook choosing where a received body goes (see ``wire.Allocator``); a
     #: transport that hands out bodies in place (shared memory) may ignore it
     allocator: Allocator | None = None
+    #: the inbox is full at this many unconsumed frames ...
+    _inbox_frames: int = 8
+    #: ... or this many bytes of unconsumed bodies, whichever comes first (one frame is always taken)
+    _inbox_bytes: int = sys.maxsize
 
+    def __init__(self, peer: str = "?") -> None:
+        """Needs a running event loop."""
+        self.peer = peer
+        self._inbox: collections.deque[Frame | WireError] = collections.deque()
+        self._inbox_nbytes = 0
+        self._arrived = asyncio.Event()  # set when the inbox changed or the connection ended
+        self._room = asyncio.Event()  # set when the inbox has room again or the connection ended
+        self._closed = False
+        self._lost: PeerGone | None = None
+        #: the fatal framing error delivered, after which nothing more is queued
+        self._fatal: WireError | None = None
+        self._ended = asyncio.get_running_loop().create_future()  # done once closed or lost
+
+    # -- the user API ------------------------------------------------------------------------
     @abc.abstractmethod
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        """Send one frame; returns when the arrays may be reused. Raises PeerGone/ConnectionClosed."""
+        """Send one frame; returns when the arrays may be reused. Raises PeerGone/ConnectionClosed,
+        or FrameTooLarge (before sending anything) when the frame exceeds the limits."""
 
-    @abc.abstractmethod
     async def recv(self) -> Frame:
-        """The next frame, in order. Raises PeerGone, ConnectionClosed or a fatal WireError."""
+        """The next frame, in order. Raises PeerGone, ConnectionClosed or a fatal WireError
+        (again on every later call)."""
+        while True:
+            if self._closed:
+                raise ConnectionClosed("connection closed locally")
+            if self._inbox:
+                return self._take()
+            if self._lost is not None:
+                raise self._lost
+            self._arrived.clear()
+            await self._arrived.wait()
 
-    @abc.abstractmethod
     def close(self) -> None:
         """Close this end. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._close_link()
+        except Exception:  # the contract: close never raises
+            log.debug("closing the link to %s failed", self.peer, exc_info=True)
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, Frame):
+                item.release()
+        self._inbox_nbytes = 0
+        self._end()
 
     @property
-    @abc.abstractmethod
     def is_closed(self) -> bool:
         """True after a local close or once the peer is known to be gone."""
+        return self._closed or self._lost is not None
 
-    @abc.abstractmethod
     async def wait_lost(self) -> None:
         """Return once the connection is closed (locally) or lost (peer gone), without reading.
 
-        Lets a server notice a learner's death while it waits on something else.
+        Lets a server notice a learner's death while it waits on something else. A
+        transport notices a lost peer while it reads, so with a full inbox (nobody
+        consuming) it may notice only once frames are consumed.
         """
+        await asyncio.shield(self._ended)
+
+    # -- the subclass API --------------------------------------------------------------------
+    @abc.abstractmethod
+    def _close_link(self) -> None:
+        """Close the underlying link (called once, by :meth:`close`); the peer then sees PeerGone."""
+
+    def _deliver(self, item: Frame | WireError) -> None:
+        """Queue a received frame, or a fatal framing error after which nothing more is
+        queued, and wake ``recv``. Never refuses: the transport stops taking frames while
+        :attr:`_inbox_full`. Frames arriving after a close or a fatal error are dropped."""
+        if self._closed or self._fatal is not None:
+            if isinstance(item, Frame):
+                item.release()
+            return
+        if isinstance(item, WireError):
+            self._fatal = item
+        else:
+            self._inbox_nbytes += item.body.nbytes
+        self._inbox.append(item)
+        self._arrived.set()
+
+    def _advance(self, reader: FrameReader, nbytes: int) -> None:
+        """Report ``nbytes`` written into ``reader.get_buffer()``; deliver the frame it
+        completes, or the fatal error it raises."""
+        try:
+            frames = reader.advance(nbytes)
+        except WireError as exc:
+            self._deliver(exc)
+            return
+        for frame in frames:
+            self._deliver(frame)
+
+    def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> memoryview | None:
+        """:attr:`allocator` as a ``FrameReader``'s ``allocate`` (it may be set at any time)."""
+        return self.allocator(msg_type, meta, nbytes) if self.allocator is not None else None
+
+    def _connection_lost(self, reason: PeerGone) -> None:
+        """The link broke or the peer closed: ``recv`` raises ``reason`` once the inbox is
+        empty, ``send`` raises it at once. Idempotent (the first reason stays)."""
+        if self._lost is None:
+            self._lost = reason
+        self._end()
+
+    def _check_open(self) -> None:
+        """Raise ConnectionClosed after a local close, or the PeerGone that ended the connection."""
+        if self._closed:
+            raise ConnectionClosed("connection closed locally")
+        if self._lost is not None:
+            raise self._lost
+
+    @property
+    def _inbox_full(self) -> bool:
+        """True while the transport must not take more frames (see ``_inbox_frames``)."""
+        n = len(self._inbox)
+        return n >= self._inbox_frames or (n > 0 and self._inbox_nbytes >= self._inbox_bytes)
+
+    @property
+    def _taking(self) -> bool:
+        """False once the connection takes no more frames (closed, lost, or a fatal error)."""
+        return not self._ended.done() and self._fatal is None
+
+    async def _inbox_room(self) -> bool:
+        """Wait while the inbox is full. True once there is room, False if not :attr:`_taking`."""
+        while self._inbox_full and self._taking:
+            self._room.clear()
+            await self._room.wait()
+        return self._taking
+
+    def _on_consumed(self) -> None:
+        """Hook: ``recv`` took a frame out of the inbox (e.g. resume reading). Default: nothing."""
+
+    def _take(self) -> Frame:
+        item = self._inbox[0]
+        if isinstance(item, WireError):
+            raise item  # stays: the connection is unusable from here on
+        self._inbox.popleft()
+        self._inbox_nbytes -= item.body.nbytes
+        if not self._inbox_full:
+            self._room.set()
+        self._on_consumed()
+        return item
+
+    def _end(self) -> None:
+        """Closed or lost: wake every waiter."""
+        self._arrived.set()
+        self._room.set()
+        if not self._ended.done():
+            self._ended.set_result(None)
 
 
 class SharedMemory(abc.ABC):

@@ -7,15 +7,14 @@ kernel. For tests and for in-process simulations; ``memory://`` picks a fresh na
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectError, ConnectionClosed, PeerGone
-from ..wire import Frame, FrameReader, Limits, encode_frame
+from ..errors import ConfigError, ConnectError, PeerGone
+from ..wire import FrameReader, Limits, encode_frame
 from .base import Connection, OnConnection, ServingListener, Transport
 
 _listeners: dict[str, "MemoryListener"] = {}
@@ -23,83 +22,43 @@ _names = itertools.count()
 
 
 class MemoryConnection(Connection):
+    """One end of an in-process pair. ``send`` copies each part of the frame straight into
+    the peer's reader (one copy) and waits while the peer's inbox is full; the inbox is
+    bounded in bytes like a socket buffer, so many small frames fit but few large ones."""
+
+    _inbox_frames = 4096
+    _inbox_bytes = 4 << 20
+
     def __init__(self, limits: Limits, peer: str) -> None:
-        self.reader = FrameReader(limits)
-        self.peer = peer
+        super().__init__(peer)
+        self.limits = limits
+        self._reader = FrameReader(limits, self._allocate)
         self.other: MemoryConnection | None = None
-        self._frames: collections.deque[Frame] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._lost = asyncio.get_running_loop().create_future()
-        self._closed = False
-        self._peer_gone = False
-
-    @property
-    def allocator(self):  # type: ignore[override]
-        return self.reader.allocate
-
-    @allocator.setter
-    def allocator(self, value) -> None:  # type: ignore[override]
-        self.reader.allocate = value
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed or self._peer_gone
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosed("connection closed locally")
-        if self._peer_gone:
-            raise PeerGone("connection closed by peer")
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
-        assert self.other is not None
-        for part in encode_frame(msg_type, meta, arrays, self.reader.limits):
-            self.other._deliver(memoryview(part).cast("B"))  # one copy: straight into the peer's reader
-        self.other._wake()
+        parts = encode_frame(msg_type, meta, arrays, self.limits)
+        other = self.other
+        assert other is not None
+        if await other._inbox_room():  # back-pressure; a peer that takes nothing more discards
+            for part in parts:
+                other._receive(memoryview(part).cast("B"))
+        self._check_open()
         await asyncio.sleep(0)  # a send is a scheduling point, as on a socket
 
-    def _deliver(self, data: memoryview) -> None:
+    def _receive(self, data: memoryview) -> None:
+        """Copy ``data`` into the reader's buffers; deliver what it completes."""
         pos = 0
-        while pos < len(data):
-            buf = self.reader.get_buffer()
+        while pos < len(data) and self._taking:
+            buf = self._reader.get_buffer()
             n = min(len(buf), len(data) - pos)
             buf[:n] = data[pos : pos + n]
             pos += n
-            self._frames.extend(self.reader.advance(n))
+            self._advance(self._reader, n)
 
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def recv(self) -> Frame:
-        while not self._frames:
-            self._check_open()
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._frames.popleft()
-
-    async def wait_lost(self) -> None:
-        await asyncio.shield(self._lost)
-
-    def _gone(self) -> None:
-        self._peer_gone = True
-        self._wake()
-        if not self._lost.done():
-            self._lost.set_result(None)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._wake()
-        if not self._lost.done():
-            self._lost.set_result(None)
+    def _close_link(self) -> None:
         if self.other is not None:
-            self.other._gone()
+            self.other._connection_lost(PeerGone("connection closed by peer"))
 
 
 class MemoryListener(ServingListener):
@@ -123,6 +82,8 @@ def _name(url: str) -> str:
 class MemoryTransport(Transport):
     scheme = "memory"
     in_process = True
+    #: the class of both ends of a pair (a subclass may change how they buffer)
+    connection_type: type[MemoryConnection] = MemoryConnection
 
     async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> MemoryListener:
         name = _name(url) or f"auto-{next(_names)}"
@@ -136,8 +97,8 @@ class MemoryTransport(Transport):
         listener = _listeners.get(name)
         if listener is None:
             raise ConnectError(f"cannot connect to {url}: nothing listens there in this process")
-        client = MemoryConnection(limits, f"memory://{name}")
-        server = MemoryConnection(listener.limits, f"memory://{name}#client")
+        client = self.connection_type(limits, f"memory://{name}")
+        server = self.connection_type(listener.limits, f"memory://{name}#client")
         client.other, server.other = server, client
         listener._spawn(server)
         return client

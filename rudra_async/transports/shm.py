@@ -26,15 +26,15 @@ import secrets
 import socket
 import mmap
 from multiprocessing import shared_memory
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, MalformedFrame
+from ..errors import ConfigError, FrameTooLarge, MalformedFrame, WireError
 from ..wire import Frame, Limits, encode_frame, parse_segments, spec_of
-from .base import Connection, Listener, OnConnection, SharedMemory, Transport
-from .stream import StreamConnection, StreamListener, open_stream, protocol_factory, start_listener
+from .base import OnConnection, SharedMemory, Transport
+from .stream import OnMade, StreamConnection, StreamListener, open_stream, start_listener
 
 INLINE = 16 * 1024  # bodies up to this size go through the socket
 MAX_SEGMENTS = 4  # bodies one side may have outstanding before send waits
@@ -136,21 +136,27 @@ class _Attached:
             pass  # a frame still holds a view; the mapping goes when it does
 
 
-class ShmConnection(Connection):
-    def __init__(self, ctl: StreamConnection, limits: Limits, peer: str) -> None:
-        self.ctl = ctl
-        self.limits = limits
-        self.peer = peer
+class ShmConnection(StreamConnection):
+    """A stream connection over a Unix socket whose large bodies travel in shared memory:
+    a body reference is resolved as it arrives, and RELEASE notices never reach the inbox."""
+
+    def __init__(self, limits: Limits, *, peer: str, on_made: OnMade | None = None) -> None:
+        super().__init__(limits, peer=peer, on_made=on_made)
         self._out: dict[str, _Segment] = {}
         self._in: dict[str, _Attached] = {}
         self._freed = asyncio.Event()
         self._lent: dict[tuple[str, int], asyncio.Future[None]] = {}  # exported bodies out
-        ctl._proto.intercept = self._intercept
 
-    # -- control ---------------------------------------------------------------------------
-    def _intercept(self, frame: Frame) -> bool:
-        if frame.msg_type != RELEASE:
-            return False
+    # -- receiving -------------------------------------------------------------------------
+    def _deliver(self, item: Frame | WireError) -> None:
+        if isinstance(item, Frame) and item.msg_type == RELEASE:
+            self._released(item)
+        elif isinstance(item, Frame) and _REF in item.meta:
+            super()._deliver(self._resolve(item))
+        else:
+            super()._deliver(item)
+
+    def _released(self, frame: Frame) -> None:
         name = str(frame.meta.get("name"))
         seg = self._out.get(name)
         if seg is not None:
@@ -159,86 +165,18 @@ class ShmConnection(Connection):
         waiter = self._lent.pop((name, frame.meta.get("offset", 0)), None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-        return True
 
-    @property
-    def allocator(self):  # type: ignore[override]
-        return self.ctl.allocator
-
-    @allocator.setter
-    def allocator(self, value) -> None:  # type: ignore[override]
-        self.ctl.allocator = value  # applies to inline bodies; shared bodies are read in place
-
-    @property
-    def is_closed(self) -> bool:
-        return self.ctl.is_closed
-
-    async def wait_lost(self) -> None:
-        await self.ctl.wait_lost()
-
-    # -- sending ---------------------------------------------------------------------------
-    async def _segment_for(self, nbytes: int) -> _Segment:
-        while True:
-            free = [s for s in self._out.values() if not s.busy and s.size >= nbytes]
-            if free:
-                return min(free, key=lambda s: s.size)
-            busy = sum(s.busy for s in self._out.values())
-            if busy < MAX_SEGMENTS:
-                for name in [n for n, s in self._out.items() if not s.busy]:  # too small: replace
-                    self._out.pop(name).destroy()
-                seg = _Segment(max(nbytes, 1 << 20))
-                self._out[seg.shm.name] = seg
-                return seg
-            self._freed.clear()
-            lost = asyncio.ensure_future(self.ctl.wait_lost())
-            freed = asyncio.ensure_future(self._freed.wait())
-            await asyncio.wait({lost, freed}, return_when=asyncio.FIRST_COMPLETED)
-            lost.cancel()
-            freed.cancel()
-            self._check_open()
-
-    def _check_open(self) -> None:
-        self.ctl._check_open()
-
-    async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        body = sum(a.nbytes for a in arrays)
-        if body <= INLINE:
-            await self.ctl.send(msg_type, meta, arrays)
-            return
-        self._check_open()
-        if body > self.limits.max_body:
-            raise MalformedFrame(f"body of {body} bytes exceeds the limit of {self.limits.max_body}")
-        specs = [spec_of(a).to_wire() for a in arrays]  # validates dtypes before any copy
-        where = exported.locate(arrays[0]) if len(arrays) == 1 and arrays[0].flags.c_contiguous else None
-        if where is not None:  # exported memory: send a reference, hold until the peer is done
-            name, offset = where
-            waiter = self._lent[where] = asyncio.get_running_loop().create_future()
-            await self.ctl.send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
-            lost = asyncio.ensure_future(self.ctl.wait_lost())
-            await asyncio.wait({waiter, lost}, return_when=asyncio.FIRST_COMPLETED)
-            lost.cancel()
-            self._check_open()
-            return
-        seg = await self._segment_for(body)
-        seg.busy = True
-        offset = 0
-        for a in arrays:
-            if a.nbytes:
-                seg.array[offset : offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-                offset += a.nbytes
-        await self.ctl.send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs]})
-
-    # -- receiving -------------------------------------------------------------------------
-    async def recv(self) -> Frame:
-        frame = await self.ctl.recv()
-        ref = frame.meta.get(_REF)
-        if ref is None:
-            return frame
+    def _resolve(self, frame: Frame) -> Frame | WireError:
+        """The frame with its body in place in the sender's segment; a frame carrying a
+        non-fatal error for a bad reference; FrameTooLarge (fatal) beyond the limits."""
+        ref = frame.meta[_REF]
         meta = {k: v for k, v in frame.meta.items() if k != _REF}
         try:
             name, nbytes, specs, *rest = ref
             offset = rest[0] if rest else 0
-            if not (isinstance(name, str) and isinstance(nbytes, int) and 0 < nbytes <= self.limits.max_body
+            if isinstance(nbytes, int) and nbytes > self.limits.max_body:
+                return FrameTooLarge(f"body of {nbytes} bytes exceeds the limit of {self.limits.max_body}")
+            if not (isinstance(name, str) and isinstance(nbytes, int) and nbytes > 0
                     and isinstance(offset, int) and offset >= 0):
                 raise MalformedFrame(f"bad shared-memory reference {ref!r}")
             meta["seg"] = specs
@@ -256,12 +194,68 @@ class ShmConnection(Connection):
         return Frame(frame.msg_type, meta, body, parsed, None, lambda: self._release(name, offset))
 
     def _release(self, name: str, offset: int) -> None:
-        if not self.ctl.is_closed:
-            transport = self.ctl._proto.transport
-            transport.writelines(encode_frame(RELEASE, {"name": name, "offset": offset}))
+        if not self.is_closed and self._transport is not None:
+            self._transport.writelines(encode_frame(RELEASE, {"name": name, "offset": offset}))
 
-    def close(self) -> None:
-        self.ctl.close()
+    # -- sending ---------------------------------------------------------------------------
+    async def _segment_for(self, nbytes: int) -> _Segment:
+        while True:
+            free = [s for s in self._out.values() if not s.busy and s.size >= nbytes]
+            if free:
+                return min(free, key=lambda s: s.size)
+            busy = sum(s.busy for s in self._out.values())
+            if busy < MAX_SEGMENTS:
+                for name in [n for n, s in self._out.items() if not s.busy]:  # too small: replace
+                    self._out.pop(name).destroy()
+                seg = _Segment(max(nbytes, 1 << 20))
+                self._out[seg.shm.name] = seg
+                return seg
+            self._freed.clear()
+            await self._until_lost(self._freed.wait())
+            self._check_open()
+
+    async def _until_lost(self, aw: Awaitable[Any]) -> None:
+        """Wait for ``aw`` or for the connection to end, whichever comes first."""
+        lost = asyncio.ensure_future(self.wait_lost())
+        other = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait({lost, other}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            other.cancel()
+
+    async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
+        body = sum(a.nbytes for a in arrays)
+        if body <= INLINE:
+            await super().send(msg_type, meta, arrays)
+            return
+        self._check_open()
+        if body > self.limits.max_body:
+            raise FrameTooLarge(f"body of {body} bytes exceeds the limit of {self.limits.max_body}")
+        specs = [spec_of(a).to_wire() for a in arrays]  # validates dtypes before any copy
+        where = exported.locate(arrays[0]) if len(arrays) == 1 and arrays[0].flags.c_contiguous else None
+        if where is not None:  # exported memory: send a reference, hold until the peer is done
+            name, offset = where
+            waiter = self._lent[where] = asyncio.get_running_loop().create_future()
+            await super().send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
+            await self._until_lost(waiter)
+            self._check_open()
+            return
+        seg = await self._segment_for(body)
+        offset = 0
+        for a in arrays:
+            if a.nbytes:
+                seg.array[offset : offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                offset += a.nbytes
+        seg.busy = True
+        try:
+            await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs]})
+        except FrameTooLarge:  # the metadata: nothing went out, the segment stays free
+            seg.busy = False
+            raise
+
+    def _close_link(self) -> None:
+        super()._close_link()
         for seg in self._out.values():
             seg.destroy()
         self._out.clear()
@@ -270,36 +264,18 @@ class ShmConnection(Connection):
         self._in.clear()
 
 
-class ShmListener(Listener):
-    def __init__(self, inner: StreamListener, name: str) -> None:
-        self.inner = inner
-        self.address = f"shm://{name}"
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
 class ShmTransport(Transport):
     scheme = "shm"
 
     def shared_memory(self) -> SharedMemory:
         return exported
 
-    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> ShmListener:
+    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> StreamListener:
         """Listen on ``shm://NAME`` (``shm://`` picks a fresh name). Same host only."""
         name = _name(url) or f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
-
-        async def wrap(ctl: Connection) -> None:
-            assert isinstance(ctl, StreamConnection)
-            conn = ShmConnection(ctl, limits, f"shm://{name}#peer")
-            try:
-                await on_connection(conn)
-            finally:
-                conn.close()
-
         loop = asyncio.get_running_loop()
 
-        def serve(factory):
+        def serve(factory: Callable[[], StreamConnection]) -> Awaitable[asyncio.AbstractServer]:
             # bind the socket ourselves: libuv cannot name an abstract-namespace address
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -309,8 +285,11 @@ class ShmTransport(Transport):
                 raise
             return loop.create_unix_server(factory, sock=sock)
 
-        inner = await start_listener(serve, url, wrap, limits)
-        return ShmListener(inner, name)
+        peer = f"shm://{name}#peer"
+        listener = await start_listener(serve, url, on_connection,
+                                        lambda on_made: ShmConnection(limits, peer=peer, on_made=on_made))
+        listener.address = f"shm://{name}"
+        return listener
 
     async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> ShmConnection:
         name = _name(url)
@@ -318,7 +297,7 @@ class ShmTransport(Transport):
             raise ConfigError(f"{url!r} names no server; expected shm://NAME")
         loop = asyncio.get_running_loop()
 
-        async def open_socket():
+        async def open_socket() -> tuple[asyncio.BaseTransport, ShmConnection]:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
@@ -326,10 +305,11 @@ class ShmTransport(Transport):
             except OSError:
                 sock.close()
                 raise
-            return await loop.create_unix_connection(protocol_factory(limits), sock=sock)
+            return await loop.create_unix_connection(lambda: ShmConnection(limits, peer=url), sock=sock)
 
-        ctl = await open_stream(open_socket(), url, timeout)
-        return ShmConnection(ctl, limits, url)
+        conn = await open_stream(open_socket(), url, timeout)
+        assert isinstance(conn, ShmConnection)
+        return conn
 
 
 transport = ShmTransport()

@@ -2,10 +2,12 @@
 
 UCX chooses the wire itself: RDMA verbs (InfiniBand, RoCE) where the host's UCX build has
 them, otherwise TCP or shared memory (``UCX_TLS`` narrows the choice, ``UCX_NET_DEVICES``
-picks the NIC). A frame travels as UCX tag messages on one endpoint: the 24-byte header,
-then the msgpack metadata, then one message per non-empty array segment, each received
-directly into the body buffer (the receiver's allocator is honoured), so large segments
-move zero-copy where the transport allows it.
+picks the NIC). A frame travels as UCX tag messages on one endpoint
+(:func:`rudra_async.wire.encode_messages`: the header, the msgpack metadata, then one
+message per non-empty array segment), each received directly into the buffer a
+``FrameReader(messages=True)`` names (the body's comes from the receiver's allocator), so
+large segments move zero-copy where the transport allows it. Large messages use UCX's
+rendezvous protocol: a receiver that stops consuming makes the sender wait.
 
 The progress mode is ``blocking`` by default (the worker's event fd is watched by the
 event loop: no busy polling, good for hosts shared with learners); set
@@ -19,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rudra_async.errors import ConnectError, ConnectionClosed, PeerGone, WireError
+from rudra_async.errors import ConnectError, PeerGone
 from rudra_async.transports.base import (
     Connection,
     OnConnection,
@@ -28,16 +30,7 @@ from rudra_async.transports.base import (
     format_host_port,
     parse_host_port,
 )
-from rudra_async.wire import (
-    HEADER_SIZE,
-    BufferPool,
-    Frame,
-    Limits,
-    decode_meta,
-    encode_frame,
-    parse_segments,
-    unpack_header,
-)
+from rudra_async.wire import FrameReader, Limits, encode_messages
 
 _initialized = False
 
@@ -57,118 +50,42 @@ def parse_url(url: str) -> tuple[str, int]:
 
 
 class UcxConnection(Connection):
+    """A frame is the messages of ``wire.encode_messages`` on one endpoint; one task reads
+    them in order, one ``FrameReader(messages=True).get_buffer()`` per message, and stops
+    posting receives while the inbox is full."""
+
     def __init__(self, ep: Any, limits: Limits, peer: str) -> None:
+        super().__init__(peer)
         self.ep = ep
         self.limits = limits
-        self.peer = peer
-        self.allocator = None
         self._send_lock = asyncio.Lock()
-        self._queue: asyncio.Queue[Frame | BaseException] = asyncio.Queue()
-        self._pool = BufferPool()
-        self._closed = False
-        self._lost: BaseException | None = None
-        self._lost_future = asyncio.get_running_loop().create_future()
         self._reader = asyncio.get_running_loop().create_task(self._read_frames())
 
-    # -- receiving: one task reads frames in order ---------------------------------------
-    async def _recv_into(self, buf: np.ndarray) -> None:
-        await self.ep.recv(buf)
-
-    async def _read_frame(self) -> Frame:
-        head = np.empty(HEADER_SIZE, np.uint8)
-        await self._recv_into(head)
-        header = unpack_header(head.tobytes(), self.limits)
-        meta, specs = {}, []
-        if header.meta_len:
-            raw = np.empty(header.meta_len, np.uint8)
-            await self._recv_into(raw)
-            # a bad segment list is fatal here: the body's messages could not be matched up
-            meta = decode_meta(raw.tobytes())
-            specs = parse_segments(meta, header.body_len)
-        elif header.body_len:
-            raise WireError("a body without segment descriptors", code="malformed")
-        body = None
-        if self.allocator is not None and header.body_len:
-            body = self.allocator(header.msg_type, meta, header.body_len)
-        owned = self._pool.take(header.body_len) if body is None else None
-        view = memoryview(owned)[: header.body_len] if owned is not None else body.cast("B")
-        target = np.frombuffer(view, np.uint8) if header.body_len else np.empty(0, np.uint8)
-        offset = 0
-        for spec in specs:
-            if spec.nbytes:
-                await self._recv_into(target[offset : offset + spec.nbytes])
-                offset += spec.nbytes
-        release = (lambda: self._pool.give_back(owned)) if owned is not None else None
-        return Frame(header.msg_type, meta, view, specs, None, release)
-
     async def _read_frames(self) -> None:
+        reader = FrameReader(self.limits, self._allocate, messages=True)
         try:
-            while True:
-                await self._queue.put(await self._read_frame())
-        except WireError as exc:
-            await self._queue.put(exc)
-        except asyncio.CancelledError:
-            pass
+            while await self._inbox_room():
+                buf = reader.get_buffer()
+                await self.ep.recv(np.frombuffer(buf, np.uint8))  # straight into the body's buffer
+                self._advance(reader, len(buf))
         except Exception as exc:  # ucxx raises several unrelated types
-            self._lost = PeerGone(f"connection lost: {exc}")
-            await self._queue.put(self._lost)
-        finally:
-            if not self._lost_future.done():
-                self._lost_future.set_result(None)
+            where = " in the middle of a frame" if reader.mid_frame else ""
+            self._connection_lost(PeerGone(f"connection lost{where}: {exc}"))
 
-    async def recv(self) -> Frame:
-        if self._closed:
-            raise ConnectionClosed("connection closed locally")
-        if self._queue.empty() and self._lost_future.done() and self._lost is None:
-            raise ConnectionClosed("connection closed locally")
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            await self._queue.put(item)  # stays broken for later calls
-            if self._closed:
-                raise ConnectionClosed("connection closed locally")
-            raise item
-        return item
-
-    # -- sending --------------------------------------------------------------------------
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
-        parts = encode_frame(msg_type, meta, arrays, self.limits)
-        head = np.frombuffer(parts[0], np.uint8)
+        messages = encode_messages(msg_type, meta, arrays, self.limits)
         try:
             async with self._send_lock:  # a frame is several messages: never interleave two
-                await self.ep.send(head[:HEADER_SIZE])
-                if len(head) > HEADER_SIZE:
-                    await self.ep.send(head[HEADER_SIZE:])
-                for part in parts[1:]:
-                    await self.ep.send(np.frombuffer(part, np.uint8))
+                for message in messages:
+                    await self.ep.send(np.frombuffer(message, np.uint8))
         except Exception as exc:
             self._check_open()
             raise PeerGone(f"connection lost while sending: {exc}") from None
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosed("connection closed locally")
-        if self._lost is not None:
-            raise self._lost
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed or self._lost is not None
-
-    async def wait_lost(self) -> None:
-        await asyncio.shield(self._lost_future)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close_link(self) -> None:
         self._reader.cancel()
-        try:
-            self.ep.abort()
-        except Exception:
-            pass
-        if not self._lost_future.done():
-            self._lost_future.set_result(None)
+        self.ep.abort()
 
 
 class UcxListener(ServingListener):
