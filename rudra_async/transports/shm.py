@@ -25,7 +25,7 @@ import os
 import secrets
 import socket
 import mmap
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
@@ -98,6 +98,10 @@ def _name(url: str) -> str:
 
 class _Segment:
     def __init__(self, size: int) -> None:
+        # The tracker process that unlinks this process's segments if it is killed must run
+        # before the segment exists: started lazily by the registration, a kill during its
+        # start-up (tens of ms) would leave the new segment in /dev/shm for good.
+        resource_tracker.ensure_running()
         self.shm = shared_memory.SharedMemory(create=True, size=size)
         self.size = size
         self.busy = False
