@@ -10,6 +10,7 @@
 
     python benchmarks/checkpoint.py [--params 25000000] [--reps 5] [--dir /tmp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,9 @@ async def updater(store, grad):
 
 
 async def loop_stall(n: int, reps: int, directory: str) -> None:
-    cfg = ServerConfig(listen=["memory://bench-ckpt"], checkpoint=os.path.join(directory, "server.ckpt"),
-                       kernel="torch")
+    cfg = ServerConfig(
+        listen=["memory://bench-ckpt"], checkpoint=os.path.join(directory, "server.ckpt"), kernel="torch"
+    )
     grad = np.full(n, 1e-6, np.float32)
     ps = ParameterServer(cfg, initial={"w": np.zeros(n, np.float32)})
     await ps.start()
@@ -113,7 +115,9 @@ async def loop_stall(n: int, reps: int, directory: str) -> None:
     os.unlink(cfg.checkpoint)
     stall = statistics.median(stalls)
     print(f"server loop during ps.checkpoint(), median of {reps}:")
-    print(f"  longest loop stall {stall * 1e3:8.1f} ms  (floor: one momentum copy {copy * 1e3:.1f} ms; ratio {stall / copy:4.2f}x)")
+    print(
+        f"  longest loop stall {stall * 1e3:8.1f} ms  (floor: one momentum copy {copy * 1e3:.1f} ms; ratio {stall / copy:4.2f}x)"
+    )
     print(f"  updates applied by the loop while the file was written: median {statistics.median(during):.0f}")
 
 

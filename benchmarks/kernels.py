@@ -10,6 +10,7 @@ update / time) as a fraction of the device's copy bandwidth measured in the same
 
     python benchmarks/kernels.py [--reps 7] [--gpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,9 @@ from timing import median_time  # benchmarks/timing.py (the script's directory i
 
 
 def cpu(reps: int) -> None:
-    print(f"CPU update kernels (torch threads: {torch.get_num_threads()}), median of {reps}; Gparam/s, ratio vs SGD(fused)")
+    print(
+        f"CPU update kernels (torch threads: {torch.get_num_threads()}), median of {reps}; Gparam/s, ratio vs SGD(fused)"
+    )
     for n in (1_000_000, 25_000_000):
         rng = np.random.default_rng(0)
         w = rng.standard_normal(n).astype(np.float32)
@@ -74,7 +77,9 @@ def gpu(reps: int) -> None:
 
         t = median_time(fold, reps)
         moved = (c + 4) * 4 * n  # read c gradients, w, v; write w, v
-        print(f"  fused kernel c={c}: {t * 1e3:7.3f} ms  {moved / t / 1e9:8.1f} GB/s  = {moved / t / copy_bw:4.2f}x copy")
+        print(
+            f"  fused kernel c={c}: {t * 1e3:7.3f} ms  {moved / t / 1e9:8.1f} GB/s  = {moved / t / copy_bw:4.2f}x copy"
+        )
         t_full = median_time(lambda: up.apply(host_w, host_w, grads, [1.0 / c] * c, 1e-4, 0.9, 1e-4), max(3, reps // 2))
         print(f"  whole update c={c} incl. host<->device copies: {t_full * 1e3:7.1f} ms")
 

@@ -12,6 +12,7 @@ out), and the small-message round-trip latency. With ``--shards N`` it also time
 round trip against a group of N shard servers (one process each) and prints it next to
 the single server's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -169,16 +170,24 @@ def main() -> None:
     big = measure(int(args.mb * 1e6 / 4), args.reps)
     gbps = lambda s: big["bytes_per_rt"] / s / 1e9  # noqa: E731
     transport = big["rudra"] - big["update"]
-    print(f"push+pull of a {args.mb:g} MB gradient ({big['bytes_per_rt'] / 1e6:.0f} MB moved per round trip), median of {args.reps}")
+    print(
+        f"push+pull of a {args.mb:g} MB gradient ({big['bytes_per_rt'] / 1e6:.0f} MB moved per round trip), median of {args.reps}"
+    )
     print(f"  raw uvloop socket baseline : {big['raw'] * 1e3:8.1f} ms  {gbps(big['raw']):6.2f} GB/s")
-    print(f"  rudra-async, whole trip    : {big['rudra'] * 1e3:8.1f} ms  {gbps(big['rudra']):6.2f} GB/s   ratio {big['raw'] / big['rudra']:.2f}x")
+    print(
+        f"  rudra-async, whole trip    : {big['rudra'] * 1e3:8.1f} ms  {gbps(big['rudra']):6.2f} GB/s   ratio {big['raw'] / big['rudra']:.2f}x"
+    )
     print(f"    of which server update   : {big['update'] * 1e3:8.1f} ms")
-    print(f"  rudra-async, transport only: {transport * 1e3:8.1f} ms  {gbps(transport):6.2f} GB/s   ratio {big['raw'] / transport:.2f}x")
+    print(
+        f"  rudra-async, transport only: {transport * 1e3:8.1f} ms  {gbps(transport):6.2f} GB/s   ratio {big['raw'] / transport:.2f}x"
+    )
     if args.shards > 1:
         times, update = rudra_group(mp.get_context("spawn"), int(args.mb * 1e6 / 4), args.reps, args.shards)
         group = statistics.median(times)
-        print(f"  {args.shards} shard servers, whole trip: {group * 1e3:8.1f} ms  {gbps(group):6.2f} GB/s   "
-              f"ratio {big['raw'] / group:.2f}x raw, {big['rudra'] / group:.2f}x one server (slowest shard's update {update * 1e3:.1f} ms)")
+        print(
+            f"  {args.shards} shard servers, whole trip: {group * 1e3:8.1f} ms  {gbps(group):6.2f} GB/s   "
+            f"ratio {big['raw'] / group:.2f}x raw, {big['rudra'] / group:.2f}x one server (slowest shard's update {update * 1e3:.1f} ms)"
+        )
     small = measure(args.small_floats, args.small_reps)
     print(f"small message ({4 * args.small_floats} B each way), median of {args.small_reps}")
     print(f"  raw uvloop socket baseline : {small['raw'] * 1e6:8.1f} us")

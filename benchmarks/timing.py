@@ -1,4 +1,5 @@
 """Timing helper shared by the benchmark scripts (run them as ``python benchmarks/NAME.py``)."""
+
 from __future__ import annotations
 
 import statistics

@@ -11,6 +11,7 @@ then the small-message (256 B) round-trip latency of each, next to the same base
 
     python benchmarks/transports.py [--reps 10] [--only tcp,shm,ucx]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -156,8 +157,10 @@ def main() -> None:
         for n in SIZES:
             base, ours = measure(scheme, n, args.reps)
             gb = lambda t: 2 * n / t / 1e9  # noqa: E731
-            print(f"  {scheme:3} {n / 1e6:5.0f} MB: {baseline_name[scheme]:17} {gb(base):6.2f} GB/s   "
-                  f"{scheme} {gb(ours):6.2f} GB/s   ratio {base / ours:4.2f}x")
+            print(
+                f"  {scheme:3} {n / 1e6:5.0f} MB: {baseline_name[scheme]:17} {gb(base):6.2f} GB/s   "
+                f"{scheme} {gb(ours):6.2f} GB/s   ratio {base / ours:4.2f}x"
+            )
     print(f"small message ({SMALL} B) round trip, median of {args.small_reps}")
     for scheme in args.only.split(","):
         base, ours = measure(scheme, SMALL, args.small_reps)

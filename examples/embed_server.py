@@ -6,6 +6,7 @@ network) fit a linear least-squares model through it, reads the statistics, and 
 
     python examples/embed_server.py
 """
+
 import asyncio
 
 import numpy as np

@@ -1,4 +1,5 @@
 """rudra-async: an asyncio parameter server for distributed deep-learning training."""
+
 from __future__ import annotations
 
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ the target, so a crash at any moment leaves either the old or the new checkpoint
 mix. :func:`load` refuses a file that is not a checkpoint, is truncated or fails its CRC,
 with a :class:`~rudra_async.errors.CheckpointError` that says which.
 """
+
 from __future__ import annotations
 
 import contextlib

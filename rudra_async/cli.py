@@ -1,4 +1,5 @@
 """The ``rudra-async`` command: a thin map from flags (and RUDRA_ASYNC_* variables) to configs."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ def _fail(exc: BaseException) -> None:
 
 @click.group(context_settings={"auto_envvar_prefix": "RUDRA_ASYNC", "help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="rudra-async")
-@click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+@click.option(
+    "--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"])
+)
 def main(log_level: str) -> None:
     """rudra-async: an asyncio parameter server for distributed deep learning."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -64,13 +67,18 @@ def learner(as_json: bool, **kwargs: Any) -> None:
         summary = run_learner(cfg)
     except RudraError as exc:
         _fail(exc)
-    click.echo(json.dumps(summary) if as_json else
-               f"learner {summary['learner_id']}: {summary['steps']} steps, test accuracy {summary['test_accuracy']:.4f}")
+    click.echo(
+        json.dumps(summary)
+        if as_json
+        else f"learner {summary['learner_id']}: {summary['steps']} steps, test accuracy {summary['test_accuracy']:.4f}"
+    )
 
 
 @main.command()
 @click_options(TrainConfig, exclude=TrainConfig.SET_BY_RUN)
-@click.option("--results", type=click.Path(dir_okay=False, writable=True), default=None, help="Write results JSON here.")
+@click.option(
+    "--results", type=click.Path(dir_okay=False, writable=True), default=None, help="Write results JSON here."
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     """Start a server and λ learner processes here, train, and report accuracy, time and staleness."""
@@ -124,8 +132,11 @@ def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, as_json: bo
         out = evaluate_checkpoint(checkpoints, model, dataset)
     except RudraError as exc:
         _fail(exc)
-    click.echo(json.dumps(out) if as_json else
-               f"update {out['clock']}: test accuracy {out['test_accuracy']:.4f}, loss {out['test_loss']:.4f}")
+    click.echo(
+        json.dumps(out)
+        if as_json
+        else f"update {out['clock']}: test accuracy {out['test_accuracy']:.4f}, loss {out['test_loss']:.4f}"
+    )
 
 
 @main.command()

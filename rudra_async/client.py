@@ -5,6 +5,7 @@ for code that is not async (e.g. a PyTorch training loop). Replies are matched t
 by a sequence number; an ERROR reply raises :class:`~rudra_async.errors.RemoteError` with
 the server's stable code.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -123,8 +124,9 @@ class Client:
         """The newest weights; with ``newer_than``, wait until the clock passes it."""
         return self._weights(await self._request(MsgType.PULL, {"newer_than": newer_than}))
 
-    async def push(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0,
-                   loss: float | None = None) -> Ack:
+    async def push(
+        self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0, loss: float | None = None
+    ) -> Ack:
         """Push a gradient computed on weights stamped ``timestamp`` over ``samples`` examples
         (``loss``, the mini-batch's training loss, feeds the server's loss curve)."""
         meta = self._push_meta(timestamp, step, samples, False, loss)
@@ -133,8 +135,9 @@ class Client:
         m = reply.meta
         return Ack(m["timestamp"], m["status"], m.get("staleness"), bool(m.get("stop")))
 
-    async def push_pull(self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0,
-                        loss: float | None = None) -> Weights:
+    async def push_pull(
+        self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0, loss: float | None = None
+    ) -> Weights:
         """Push a gradient and get the weights the protocol lets this learner have next, in one
         round trip (for hardsync: the weights after this round's update)."""
         meta = self._push_meta(timestamp, step, samples, True, loss)
@@ -178,15 +181,23 @@ class ShardedClient:
         self.weights = np.empty(layout.size, np.float32)
 
     @classmethod
-    async def connect(cls, urls: Sequence[str], layout: Layout, initial: np.ndarray | None = None,
-                      **kwargs: Any) -> "ShardedClient":
+    async def connect(
+        cls, urls: Sequence[str], layout: Layout, initial: np.ndarray | None = None, **kwargs: Any
+    ) -> "ShardedClient":
         """Connect to ``urls[i]`` as shard i of ``len(urls)``."""
         shards = [Shard(i, len(urls)) for i in range(len(urls))]
         ranges = [s.range(layout.size) for s in shards]
-        parts = [None if initial is None else np.ascontiguousarray(initial, np.float32).reshape(-1)[lo:hi]
-                 for lo, hi in ranges]
-        results = await asyncio.gather(*(Client.connect(url, layout, part, shard=shard, **kwargs)
-                                         for url, part, shard in zip(urls, parts, shards)), return_exceptions=True)
+        parts = [
+            None if initial is None else np.ascontiguousarray(initial, np.float32).reshape(-1)[lo:hi]
+            for lo, hi in ranges
+        ]
+        results = await asyncio.gather(
+            *(
+                Client.connect(url, layout, part, shard=shard, **kwargs)
+                for url, part, shard in zip(urls, parts, shards)
+            ),
+            return_exceptions=True,
+        )
         clients = [r for r in results if isinstance(r, Client)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -225,25 +236,34 @@ class ShardedClient:
     async def pull(self, newer_than: Stamp = -1) -> Weights:
         return self._combine(await _all(c.pull(n) for c, n in zip(self.clients, self._per_shard(newer_than))))
 
-    async def _to_every_shard(self, method: str, grad: np.ndarray, timestamp: Stamp, step: int, samples: int,
-                              loss: float | None) -> list[Any]:
+    async def _to_every_shard(
+        self, method: str, grad: np.ndarray, timestamp: Stamp, step: int, samples: int, loss: float | None
+    ) -> list[Any]:
         """Call ``Client.<method>`` on every shard with its part of ``grad`` and its own stamp
         (the loss goes to shard 0 only, for its loss curve)."""
         flat = grad.reshape(-1)
-        return await _all(getattr(c, method)(flat[c.range[0] : c.range[1]], t, step, samples, loss if i == 0 else None)
-                          for i, (c, t) in enumerate(zip(self.clients, self._per_shard(timestamp))))
+        return await _all(
+            getattr(c, method)(flat[c.range[0] : c.range[1]], t, step, samples, loss if i == 0 else None)
+            for i, (c, t) in enumerate(zip(self.clients, self._per_shard(timestamp)))
+        )
 
-    async def push(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0,
-                   loss: float | None = None) -> Ack:
+    async def push(
+        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+    ) -> Ack:
         acks = await self._to_every_shard("push", grad, timestamp, step, samples, loss)
         statuses = {a.status for a in acks}
         status = "applied" if statuses == {"applied"} else "dropped" if "dropped" in statuses else "pending"
         staleness = [a.staleness for a in acks if a.staleness is not None]
-        return Ack(tuple(int(a.timestamp) for a in acks), status, max(staleness) if staleness else None,
-                   any(a.stop for a in acks))
+        return Ack(
+            tuple(int(a.timestamp) for a in acks),
+            status,
+            max(staleness) if staleness else None,
+            any(a.stop for a in acks),
+        )
 
-    async def push_pull(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0,
-                        loss: float | None = None) -> Weights:
+    async def push_pull(
+        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+    ) -> Weights:
         return self._combine(await self._to_every_shard("push_pull", grad, timestamp, step, samples, loss))
 
     async def close(self) -> None:
@@ -259,8 +279,7 @@ async def _all(coros: Any) -> list[Any]:
     return results
 
 
-async def connect(url: str, layout: Layout, initial: np.ndarray | None = None,
-                  **kwargs: Any) -> Client | ShardedClient:
+async def connect(url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> Client | ShardedClient:
     """A :class:`Client`, or a :class:`ShardedClient` when ``url`` lists the shards' addresses
     separated by commas, in shard order (``tcp://a:7000,tcp://b:7000``)."""
     urls = [u.strip() for u in url.split(",")]
@@ -330,11 +349,14 @@ class SyncClient:
     def pull(self, newer_than: Stamp = -1) -> Weights:
         return self._runner.run(self._client.pull(newer_than))
 
-    def push(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None) -> Ack:
+    def push(
+        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+    ) -> Ack:
         return self._runner.run(self._client.push(grad, timestamp, step, samples, loss))
 
-    def push_pull(self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0,
-                  loss: float | None = None) -> Weights:
+    def push_pull(
+        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+    ) -> Weights:
         return self._runner.run(self._client.push_pull(grad, timestamp, step, samples, loss))
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ variables and the study's allowed keys are all derived from these classes.
 - :class:`TrainConfig`: a local run (``rudra-async train``): a server and λ learners;
 - :class:`LaunchConfig`: one task of a job started by a cluster engine.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,37 +50,54 @@ class ServerConfig:
     n: int | None = setting(None, "softsync: c = ⌊λ/n⌋ gradients per update (1 ≤ n ≤ λ).", low=1)
     staleness_bound: int | None = setting(None, "bounded: no gradient applied with σ > this.", low=0)
     backup: int | None = setting(None, "backup: update after λ − b gradients, drop the late b.", low=0)
-    protocol_options: dict[str, Any] = setting(factory=dict, flag="--protocol-option",
-                                               help="KEY=VALUE passed to a plugin protocol (repeatable).")
+    protocol_options: dict[str, Any] = setting(
+        factory=dict, flag="--protocol-option", help="KEY=VALUE passed to a plugin protocol (repeatable)."
+    )
     lr: float = setting(0.03, "Base learning rate α0.", above=0)
     momentum: float = setting(0.9, "Momentum (torch.optim.SGD's; 0 for none), in [0, 1).", low=0, below=1)
     weight_decay: float = setting(0.0, "L2 weight decay (torch.optim.SGD's).", low=0)
     nesterov: bool = setting(False, "Nesterov momentum.")
-    lr_policy: str = setting("constant", "constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | "
-                                         "mean-staleness (α0/⟨σ⟩) | a plugin's name | module:Class.")
+    lr_policy: str = setting(
+        "constant",
+        "constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | "
+        "mean-staleness (α0/⟨σ⟩) | a plugin's name | module:Class.",
+    )
     mean_staleness_window: int = setting(0, "mean-staleness: gradients in the window (0: the whole run).", low=0)
-    lr_policy_options: dict[str, Any] = setting(factory=dict, flag="--lr-option",
-                                                help="KEY=VALUE passed to a plugin LR policy (repeatable).")
-    lr_decay_at: tuple[float, ...] = setting(factory=tuple, parse=parse_milestones, metavar="M1,M2,...",
-                                             help="Step-decay milestones, e.g. 120,130.")
+    lr_policy_options: dict[str, Any] = setting(
+        factory=dict, flag="--lr-option", help="KEY=VALUE passed to a plugin LR policy (repeatable)."
+    )
+    lr_decay_at: tuple[float, ...] = setting(
+        factory=tuple, parse=parse_milestones, metavar="M1,M2,...", help="Step-decay milestones, e.g. 120,130."
+    )
     lr_decay: float = setting(0.1, "Factor applied at each milestone, in (0, 1].", above=0, high=1)
     lr_decay_unit: str = setting("updates", "Unit of the milestones.", choices=("updates", "epochs"))
     warmup: int = setting(0, "Linear warm-up over this many updates.", low=0)
     lr_scale_ref_batch: int | None = setting(None, "Linear scaling rule: α × (samples per update)/this.", low=1)
     samples_per_epoch: int | None = setting(None, "Training-set size, for epoch-based LR decay.", low=1)
     max_updates: int | None = setting(None, "End the run after this many updates.", low=1)
-    max_frame: int = setting(DEFAULT_MAX_BODY, "Largest frame body accepted, in bytes.", low=1024,
-                             metavar="BYTES")
-    kernel: str = setting("auto", "Update kernel backend; auto: cupy where a GPU is visible, else torch, else numpy.",
-                          choices=("auto", "numpy", "torch", "cupy"))
+    max_frame: int = setting(DEFAULT_MAX_BODY, "Largest frame body accepted, in bytes.", low=1024, metavar="BYTES")
+    kernel: str = setting(
+        "auto",
+        "Update kernel backend; auto: cupy where a GPU is visible, else torch, else numpy.",
+        choices=("auto", "numpy", "torch", "cupy"),
+    )
     device: str = setting("auto", "Device of the update kernel.", choices=("auto", "cpu", "cuda"))
-    checkpoint: str | None = setting(None, "Write weights, momentum and clock here (atomically) when the server "
-                                           "stops; with several shards, put {shard} in the name.", metavar="FILE")
+    checkpoint: str | None = setting(
+        None,
+        "Write weights, momentum and clock here (atomically) when the server "
+        "stops; with several shards, put {shard} in the name.",
+        metavar="FILE",
+    )
     checkpoint_every: int | None = setting(None, "Also write the checkpoint every this many updates.", low=1)
-    resume: str | None = setting(None, "Start from this checkpoint instead of the first learner's weights.",
-                                 metavar="FILE")
-    shard: Shard = setting(factory=Shard, parse=Shard.parse, metavar="I/N",
-                           help="Hold the I-th of N parts of the parameters (learners connect to all N, in order).")
+    resume: str | None = setting(
+        None, "Start from this checkpoint instead of the first learner's weights.", metavar="FILE"
+    )
+    shard: Shard = setting(
+        factory=Shard,
+        parse=Shard.parse,
+        metavar="I/N",
+        help="Hold the I-th of N parts of the parameters (learners connect to all N, in order).",
+    )
 
     def validate(self) -> ServerConfig:
         check_ranges(self)
@@ -142,8 +160,11 @@ class LearnerOptions:
     steps: int | None = setting(None, "Gradients each learner pushes (default: until the server stops).", low=1)
     seed: int = setting(0, "Seed of the initial weights (every learner builds the same) and of sampling.")
     threads: int = setting(1, "torch threads per learner process.", low=1)
-    reconnect: float = setting(0.0, "If the server is lost, keep trying to reach it (e.g. restarted with --resume) "
-                                     "for this many seconds.", low=0)
+    reconnect: float = setting(
+        0.0,
+        "If the server is lost, keep trying to reach it (e.g. restarted with --resume) for this many seconds.",
+        low=0,
+    )
 
     def validate(self) -> LearnerOptions:
         check_ranges(self)
@@ -154,8 +175,9 @@ class LearnerOptions:
 class LearnerConfig:
     """One learner process: where its server is, who it is, and the shared options."""
 
-    connect: str = setting(help="Server address, e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, "
-                                "comma-separated, in order.")
+    connect: str = setting(
+        help="Server address, e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, comma-separated, in order."
+    )
     index: int = setting(0, "Learner index (seeds its sampling).", low=0)
     name: str | None = setting(None, "Name the server shows for this learner (default: host:pid).")
     timeout: float = setting(10.0, "Connect timeout in seconds.", above=0)
@@ -181,8 +203,9 @@ class TrainConfig:
     transport: str = setting("tcp", "tcp, shm (same host), or a plugin's scheme (ucx).")
     shards: int = setting(1, "Shard servers (in this process), each holding one part of the parameters.", low=1)
     host: str = setting("127.0.0.1", cli=False)
-    timeout: float = setting(900.0, "Seconds the whole run may take; learners are stopped past it.", above=0,
-                             flag="--run-timeout")
+    timeout: float = setting(
+        900.0, "Seconds the whole run may take; learners are stopped past it.", above=0, flag="--run-timeout"
+    )
     server: ServerConfig = section(ServerConfig)
     learner: LearnerOptions = section(LearnerOptions)
 
@@ -203,8 +226,11 @@ class TrainConfig:
         return self
 
     def server_config(self, listen: str, n_train: int, shard: Shard = Shard()) -> ServerConfig:
-        return replace(self.server.for_shard(shard, listen), max_updates=self.updates,
-                       samples_per_epoch=self.server.samples_per_epoch or n_train)
+        return replace(
+            self.server.for_shard(shard, listen),
+            max_updates=self.updates,
+            samples_per_epoch=self.server.samples_per_epoch or n_train,
+        )
 
     def listen_url(self) -> str:
         """Where the run's server listens: a fresh name or port on this machine."""
@@ -230,10 +256,10 @@ class LaunchConfig:
     servers: int = setting(1, "Ranks 0..S-1 serve the S shards; the rest learn.", low=1)
     rank: int | None = setting(None, "This task's rank (default: from Slurm, MPI, torchrun, …).", low=0)
     world_size: int | None = setting(None, "Tasks in the job (default: from the environment).", low=2)
-    job_id: str | None = setting(None, "Names this job's files in the rendezvous directory (default: from the "
-                                       "environment).")
-    advertise: str | None = setting(None, "Host name or address learners use to reach this server "
-                                          "(default: hostname).")
+    job_id: str | None = setting(
+        None, "Names this job's files in the rendezvous directory (default: from the environment)."
+    )
+    advertise: str | None = setting(None, "Host name or address learners use to reach this server (default: hostname).")
     listen_host: str = setting("0.0.0.0", "Address the servers listen on.")
     port: int = setting(0, "Server port (0: any free port, published).", low=0, high=65535)
     wait: float = setting(300.0, "Seconds a learner waits for the servers.", above=0)

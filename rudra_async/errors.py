@@ -4,6 +4,7 @@ Every error that crosses a module boundary is a :class:`RudraError`. Errors that
 over the wire carry a stable string ``code`` (see ``docs/wire.md``); the same code names
 the error on both sides.
 """
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """Event-loop selection: uvloop when it imports, the standard loop otherwise."""
+
 from __future__ import annotations
 
 import asyncio

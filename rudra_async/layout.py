@@ -5,6 +5,7 @@ A server group of S shards splits the flat buffer into S contiguous ranges whose
 differ by at most one (:meth:`Shard.range`); shard i holds the i-th. Ranges ignore tensor
 boundaries, so shards stay balanced whatever the model's largest tensor.
 """
+
 from __future__ import annotations
 
 import functools
@@ -109,8 +110,9 @@ class Shard:
             index, count = raw
             return cls(index, count)
         except (TypeError, ValueError, ConfigError):
-            raise RequestError(f"shard must be [index, count] with 0 <= index < count, got {raw!r}",
-                               code="bad_request") from None
+            raise RequestError(
+                f"shard must be [index, count] with 0 <= index < count, got {raw!r}", code="bad_request"
+            ) from None
 
     def range(self, size: int) -> tuple[int, int]:
         """The [lo, hi) range of a flat buffer of ``size`` values that this shard holds."""

@@ -5,6 +5,7 @@ top, see :mod:`rudra_async.kernels`). Here α(σ) = base(t) · policy(σ): the *
 gives the base rate at update t (α0, step decay, warm-up, linear scaling), the **policy**
 the per-gradient factor from its staleness σ.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -84,7 +85,7 @@ class MeanStaleness(LRPolicy):
         return {"sum": self._sum, "count": self._count, "recent": list(self._recent)}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        recent = [int(s) for s in state.get("recent", [])][-self.window:] if self.window else []
+        recent = [int(s) for s in state.get("recent", [])][-self.window :] if self.window else []
         if self.window:  # the window's own sums (the checkpointed run may have had another window)
             self._recent = deque(recent, maxlen=self.window)
             self._sum, self._count = sum(recent), len(recent)

@@ -13,6 +13,7 @@ derive, without restating anything:
 Nested configuration classes (fields made with :func:`section`) are flattened: their
 fields take part under their own names, which must therefore be unique in the tree.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,18 +29,41 @@ from .errors import ConfigError
 _MISSING = dataclasses.MISSING
 
 
-def setting(default: Any = _MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
-            flag: str | None = None, short: str | None = None, choices: Iterable[str] | None = None,
-            low: float | None = None, high: float | None = None, above: float | None = None,
-            below: float | None = None, parse: Callable[[str], Any] | None = None, metavar: str | None = None, cli: bool = True) -> Any:
+def setting(
+    default: Any = _MISSING,
+    help: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    flag: str | None = None,
+    short: str | None = None,
+    choices: Iterable[str] | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    parse: Callable[[str], Any] | None = None,
+    metavar: str | None = None,
+    cli: bool = True,
+) -> Any:
     """A dataclass field carrying its documentation.
 
     ``low``/``high``: inclusive bounds; ``above``/``below``: exclusive ones. ``flag``: the
     long flag when it is not ``--field-name``; ``short``: e.g. ``-l``. ``parse`` turns a
     command-line string into the field's value (for types click does not know). ``cli``:
     False for fields that a command sets itself (not a flag)."""
-    meta = {"help": help, "flag": flag, "short": short, "choices": tuple(choices) if choices else None,
-            "low": low, "high": high, "above": above, "below": below, "parse": parse, "metavar": metavar, "cli": cli}
+    meta = {
+        "help": help,
+        "flag": flag,
+        "short": short,
+        "choices": tuple(choices) if choices else None,
+        "low": low,
+        "high": high,
+        "above": above,
+        "below": below,
+        "parse": parse,
+        "metavar": metavar,
+        "cli": cli,
+    }
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -157,8 +181,9 @@ def check_known(values: Mapping[str, Any], valid: Iterable[str], where: str) -> 
             raise ConfigError(f"{where}: unknown setting {key!r}{nearest(key, valid)}")
 
 
-def from_flat(cls: type, values: Mapping[str, Any], *, exclude: Iterable[str] = (), where: str = "configuration",
-              **fixed: Any) -> Any:
+def from_flat(
+    cls: type, values: Mapping[str, Any], *, exclude: Iterable[str] = (), where: str = "configuration", **fixed: Any
+) -> Any:
     """Build ``cls`` (and its nested configuration classes) from a flat mapping of field
     names. Every value is type-checked; unknown names are refused. ``fixed`` are values the
     caller sets itself (they bypass ``exclude``). None stands for "not given" (the default)
@@ -240,7 +265,7 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
             continue
         inner, optional = _unwrap_optional(tp)
         flag = meta.get("flag") or "--" + name.replace("_", "-")
-        names = [flag, *( [meta["short"]] if meta.get("short") else [])]
+        names = [flag, *([meta["short"]] if meta.get("short") else [])]
         default = f.default if f.default is not _MISSING else None
         kwargs: dict[str, Any] = {"help": meta.get("help") or None, "show_default": default not in (None, (), [], {})}
         parse = meta.get("parse")
@@ -250,16 +275,30 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
                 names = [f"{flag}/--no-{flag[2:]}"]
             kwargs.update(is_flag=True, default=bool(default))
         elif origin is list:
-            kwargs.update(multiple=True, default=tuple(f.default_factory()) if f.default_factory is not _MISSING  # type: ignore[misc]
-                          else None, show_default=True)
+            kwargs.update(
+                multiple=True,
+                default=tuple(f.default_factory())
+                if f.default_factory is not _MISSING  # type: ignore[misc]
+                else None,
+                show_default=True,
+            )
         elif origin is dict:
-            kwargs.update(multiple=True, metavar="KEY=VALUE", show_default=False,
-                          callback=lambda ctx, param, v: _click_parse(_key_value, v))
+            kwargs.update(
+                multiple=True,
+                metavar="KEY=VALUE",
+                show_default=False,
+                callback=lambda ctx, param, v: _click_parse(_key_value, v),
+            )
         elif parse is not None:
             shown = f.default_factory() if f.default_factory is not _MISSING else default  # type: ignore[misc]
-            kwargs.update(default=None if shown in (None, ()) else str(shown) if not isinstance(shown, tuple)
-                          else ",".join(f"{x:g}" for x in shown),
-                          callback=lambda ctx, param, v, parse=parse: None if v is None else _click_parse(parse, v))
+            kwargs.update(
+                default=None
+                if shown in (None, ())
+                else str(shown)
+                if not isinstance(shown, tuple)
+                else ",".join(f"{x:g}" for x in shown),
+                callback=lambda ctx, param, v, parse=parse: None if v is None else _click_parse(parse, v),
+            )
         else:
             click_type: Any = {int: int, float: float, str: str}.get(inner, str)
             if meta.get("choices"):
@@ -286,7 +325,6 @@ def _click_parse(parse: Callable[[Any], Any], value: Any) -> Any:
         return parse(value)
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc)) from None
-
 
 
 def to_args(obj: Any) -> list[str]:

@@ -6,6 +6,7 @@ else. An unknown name fails with the list of known ones. Whatever a name resolve
 be a class (or factory) producing a :class:`~rudra_async.sync.SyncProtocol` or
 :class:`~rudra_async.lr.LRPolicy`; this is checked at load time with an error naming it.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -11,6 +11,7 @@ events; time-based protocols take an injectable ``now``.
 λ is the number of registered learners at the moment; every protocol recomputes c when it
 changes, so a learner leaving (or crashing) never deadlocks a round.
 """
+
 from __future__ import annotations
 
 import time
@@ -258,7 +259,6 @@ class Backup(Hardsync):
     def needed(self) -> int:
         assert self.round is not None
         return max(1, len(self.round) - self.b)
-
 
 
 class Bounded(SyncProtocol):

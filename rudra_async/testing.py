@@ -13,6 +13,7 @@ allocating), and — for transports that cross processes — that a peer killed 
 of a frame gives an error, never a hang or a partial frame. Raises AssertionError on a
 violation; returns the names of the checks that ran.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,7 @@ def _payload(nbytes: int, seed: int) -> np.ndarray:
 
 
 class _Suite:
-    def __init__(self, url: str, transport: Transport, limits: Limits, large: tuple[int, ...],
-                 timeout: float) -> None:
+    def __init__(self, url: str, transport: Transport, limits: Limits, large: tuple[int, ...], timeout: float) -> None:
         self.url, self.transport, self.limits, self.large, self.timeout = url, transport, limits, large, timeout
         self.address = ""
         self.victim_outcome: asyncio.Future[BaseException | None] | None = None
@@ -103,8 +103,11 @@ class _Suite:
         assert self.victim_outcome is not None
         try:
             frame = await conn.recv()
-            outcome: BaseException | None = None if frame is None else AssertionError(
-                f"a frame arrived from a peer killed mid-frame ({frame.body.nbytes} body bytes)")
+            outcome: BaseException | None = (
+                None
+                if frame is None
+                else AssertionError(f"a frame arrived from a peer killed mid-frame ({frame.body.nbytes} body bytes)")
+            )
         except RudraError as exc:
             outcome = exc
         if not self.victim_outcome.done():
@@ -129,8 +132,12 @@ class _Suite:
 @_check
 async def small_frames(s: _Suite) -> None:
     conn = await s.connect()
-    cases: list[list[np.ndarray]] = [[], [np.zeros(0, np.float32)], [np.arange(7, dtype=np.int64)],
-             [np.ones((3, 4), np.float16), np.arange(5, dtype=np.uint8), np.zeros((0, 2), np.float64)]]
+    cases: list[list[np.ndarray]] = [
+        [],
+        [np.zeros(0, np.float32)],
+        [np.arange(7, dtype=np.int64)],
+        [np.ones((3, 4), np.float16), np.arange(5, dtype=np.uint8), np.zeros((0, 2), np.float64)],
+    ]
     for i, arrays in enumerate(cases):
         await s.round_trip(conn, arrays, i=i, text="é", nested={"a": [1, 2.5, None]})
     conn.close()
@@ -140,8 +147,9 @@ async def small_frames(s: _Suite) -> None:
 async def large_frames(s: _Suite) -> None:
     conn = await s.connect()
     for size in s.large:
-        await s.round_trip(conn, [_payload(size, size // MiB).view(np.float32) if size % 4 == 0 else _payload(size, 1)],
-                           size=size)
+        await s.round_trip(
+            conn, [_payload(size, size // MiB).view(np.float32) if size % 4 == 0 else _payload(size, 1)], size=size
+        )
     conn.close()
 
 
@@ -180,8 +188,9 @@ async def close_semantics(s: _Suite) -> None:
     conn.close()
     conn.close()  # twice is harmless
     assert conn.is_closed
-    await _raises(ConnectionClosed, waiting, s.timeout, "a recv waiting during a local close must raise "
-                  "ConnectionClosed")
+    await _raises(
+        ConnectionClosed, waiting, s.timeout, "a recv waiting during a local close must raise ConnectionClosed"
+    )
     await asyncio.wait_for(conn.wait_lost(), s.timeout)
     for op in (conn.recv(), conn.send(MsgType.PULL, {})):
         await _raises(ConnectionClosed, op, s.timeout, "using a locally closed connection must raise ConnectionClosed")
@@ -245,8 +254,10 @@ async def _send_until_blocked(conn: Connection, chunk: np.ndarray) -> asyncio.Fu
             return sending
         sending.result()
         accepted += chunk.nbytes
-    raise AssertionError(f"send accepted {accepted // MiB} MiB for a receiver that reads nothing and never "
-                         "waited: the transport must bound what it buffers (back-pressure)")
+    raise AssertionError(
+        f"send accepted {accepted // MiB} MiB for a receiver that reads nothing and never "
+        "waited: the transport must bound what it buffers (back-pressure)"
+    )
 
 
 @_check
@@ -254,8 +265,12 @@ async def size_limits(s: _Suite) -> None:
     small = Limits(max_meta=4096, max_body=MiB)
     conn = await s.connect(small)
     for meta, arrays in (({}, [np.zeros(MiB + 4, np.uint8)]), ({"pad": "x" * 5000}, [])):
-        await _raises(FrameTooLarge, conn.send(MsgType.PUSH, meta, arrays), s.timeout,
-                      "send beyond the sender's limits must raise FrameTooLarge")
+        await _raises(
+            FrameTooLarge,
+            conn.send(MsgType.PUSH, meta, arrays),
+            s.timeout,
+            "send beyond the sender's limits must raise FrameTooLarge",
+        )
     await _still_in_sync(s, conn)
     conn.close()
     conn = await s.connect(small)  # a receiver with smaller limits than its peer's
@@ -266,8 +281,9 @@ async def size_limits(s: _Suite) -> None:
 
     conn.allocator = allocate
     await conn.send(MsgType.PULL, {"cmd": "send", "nbytes": 2 * MiB})
-    exc = await _raises(FrameTooLarge, conn.recv(), s.timeout, "recv of a body beyond the receiver's limits must "
-                        "raise FrameTooLarge")
+    exc = await _raises(
+        FrameTooLarge, conn.recv(), s.timeout, "recv of a body beyond the receiver's limits must raise FrameTooLarge"
+    )
     assert getattr(exc, "fatal", False), "FrameTooLarge from recv must be fatal"
     assert all(n <= small.max_body for n in asked), f"a body beyond the limits was allocated: {asked}"
     conn.close()
@@ -305,8 +321,14 @@ async def peer_killed_mid_frame(s: _Suite) -> None:
         return  # no second process can share an in-process transport
     s.victim_outcome = asyncio.get_running_loop().create_future()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _VICTIM, s.address, str(512 * MiB), stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sys.executable,
+        "-c",
+        _VICTIM,
+        s.address,
+        str(512 * MiB),
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert proc.stdout is not None
         await asyncio.wait_for(proc.stdout.readline(), s.timeout)
@@ -320,9 +342,15 @@ async def peer_killed_mid_frame(s: _Suite) -> None:
         await proc.communicate()  # reap it and close its pipe
 
 
-async def check_transport(url: str, *, transport: Transport | None = None, limits: Limits = Limits(),
-                          large: tuple[int, ...] = (MiB, 64 * MiB, 257 * MiB), timeout: float = 60.0,
-                          only: tuple[str, ...] = ()) -> list[str]:
+async def check_transport(
+    url: str,
+    *,
+    transport: Transport | None = None,
+    limits: Limits = Limits(),
+    large: tuple[int, ...] = (MiB, 64 * MiB, 257 * MiB),
+    timeout: float = 60.0,
+    only: tuple[str, ...] = (),
+) -> list[str]:
     """Run every contract check (or those named in ``only``) against ``transport`` (by
     default the one registered for ``url``'s scheme), listening on ``url``."""
     transport = transport or transports.transport_for(url)

@@ -12,6 +12,7 @@ received into buffers the caller may choose (``FrameReader(allocate=...)``), so 
 gradient crosses the process boundary without an extra copy. ``docs/wire.md`` is the
 normative description.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -35,9 +36,7 @@ DEFAULT_MAX_META = 1 << 20  # 1 MiB of metadata is far more than any message nee
 DEFAULT_MAX_BODY = 1 << 33  # 8 GiB; 64-bit lengths, so no 2 GB cliff
 
 #: dtypes allowed in segments (little-endian or byte-sized numeric types).
-ALLOWED_DTYPES = frozenset(
-    ["<f2", "<f4", "<f8", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "|b1"]
-)
+ALLOWED_DTYPES = frozenset(["<f2", "<f4", "<f8", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "|b1"])
 
 
 class MsgType(enum.IntEnum):
@@ -270,8 +269,7 @@ class FrameReader:
 
     _SKIP_CHUNK = 1 << 20
 
-    def __init__(self, limits: Limits = Limits(), allocate: Allocator | None = None, *,
-                 messages: bool = False) -> None:
+    def __init__(self, limits: Limits = Limits(), allocate: Allocator | None = None, *, messages: bool = False) -> None:
         self.limits = limits
         self.allocate = allocate
         self.messages = messages

@@ -1,4 +1,5 @@
 """Shared test helpers: a real server on a loopback port, raw frame reading."""
+
 import asyncio
 import contextlib
 import json
@@ -65,14 +66,20 @@ CLI_ARGS = [sys.executable, "-m", "rudra_async"]  # the rudra-async command of t
 
 def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``rudra-async ARGS`` to its end; text output captured (``env`` adds variables)."""
-    return subprocess.run([*CLI_ARGS, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**subprocess_env(), **(env or {})})
+    return subprocess.run(
+        [*CLI_ARGS, *args], capture_output=True, text=True, timeout=timeout, env={**subprocess_env(), **(env or {})}
+    )
 
 
 def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     """Start ``rudra-async ARGS`` in the background, text stdout and stderr piped."""
-    return subprocess.Popen([*CLI_ARGS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**subprocess_env(), **(env or {})})
+    return subprocess.Popen(
+        [*CLI_ARGS, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**subprocess_env(), **(env or {})},
+    )
 
 
 def start_server(port: int, *args: str) -> subprocess.Popen:

@@ -3,6 +3,7 @@
 A well-behaved learner keeps pushing zero gradients (which leave the weights as they are)
 through the whole barrage; at the end the weights must equal the initial ones bit for bit.
 """
+
 import asyncio
 import logging
 import os

@@ -1,5 +1,6 @@
 """Checkpoints: the file format refuses anything incomplete, and a server resumed from a
 checkpoint continues exactly where the checkpointed one was (weights, momentum, clock)."""
+
 import asyncio
 import concurrent.futures
 import os
@@ -17,8 +18,20 @@ from rudra_async.server.checkpointer import Checkpointer
 from rudra_async.client import Client
 from rudra_async.wire import MsgType, encode_frame
 
-from helpers import (CLI_ARGS, free_port, initial_weights, last_json, push_sequence, random_batches, reap, run_server,
-                     small_layout, start_cli, start_server, subprocess_env)
+from helpers import (
+    CLI_ARGS,
+    free_port,
+    initial_weights,
+    last_json,
+    push_sequence,
+    random_batches,
+    reap,
+    run_server,
+    small_layout,
+    start_cli,
+    start_server,
+    subprocess_env,
+)
 
 SGD = dict(protocol="async", lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
 
@@ -26,8 +39,14 @@ SGD = dict(protocol="async", lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=
 def sample_checkpoint(clock=7):
     layout = small_layout()
     rng = np.random.default_rng(clock)
-    return ckpt.Checkpoint(layout, clock, rng.standard_normal(layout.size).astype(np.float32),
-                           rng.standard_normal(layout.size).astype(np.float32), samples=123, info={"lr": 0.05})
+    return ckpt.Checkpoint(
+        layout,
+        clock,
+        rng.standard_normal(layout.size).astype(np.float32),
+        rng.standard_normal(layout.size).astype(np.float32),
+        samples=123,
+        info={"lr": 0.05},
+    )
 
 
 def test_round_trip_and_no_temporary_left(tmp_path):
@@ -70,15 +89,18 @@ def corrupt(path, how):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how, message", [
-    ("flip a body byte", "fails its CRC-32"),
-    ("cut in the header", "not a rudra-async checkpoint"),
-    ("cut in the metadata", "truncated"),
-    ("cut in the body", "truncated"),
-    ("padded", "padded"),
-    ("not rudra", "bad magic"),
-    ("empty", "not a rudra-async checkpoint"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("flip a body byte", "fails its CRC-32"),
+        ("cut in the header", "not a rudra-async checkpoint"),
+        ("cut in the metadata", "truncated"),
+        ("cut in the body", "truncated"),
+        ("padded", "padded"),
+        ("not rudra", "bad magic"),
+        ("empty", "not a rudra-async checkpoint"),
+    ],
+)
 def test_damaged_files_are_refused_with_the_reason(tmp_path, how, message):
     path = tmp_path / "run.ckpt"
     ckpt.save(path, sample_checkpoint())
@@ -96,9 +118,16 @@ def test_other_files_are_refused(tmp_path):
         ckpt.load(frame)
     state = sample_checkpoint()
     wrong = tmp_path / "wrong.ckpt"
-    wrong.write_bytes(b"".join(bytes(b) for b in encode_frame(
-        MsgType.CHECKPOINT, {"format": 99, "clock": 1, "layout": state.layout.to_wire(), "crc32": [0, 0]},
-        [state.weights, state.momentum])))
+    wrong.write_bytes(
+        b"".join(
+            bytes(b)
+            for b in encode_frame(
+                MsgType.CHECKPOINT,
+                {"format": 99, "clock": 1, "layout": state.layout.to_wire(), "crc32": [0, 0]},
+                [state.weights, state.momentum],
+            )
+        )
+    )
     with pytest.raises(CheckpointError, match="format 99"):
         ckpt.load(wrong)
     with pytest.raises(CheckpointError, match="cannot write checkpoint"):
@@ -116,7 +145,9 @@ async def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert ckpt.load(path).clock == 12  # written at close
     async with run_server(**SGD, resume=path) as ps:
         assert ps.clock == 12
-        resumed, _ = await push_sequence(ps.addresses[0], small_layout(), grads[12:], np.zeros_like(w0))  # its initial weights are ignored
+        resumed, _ = await push_sequence(
+            ps.addresses[0], small_layout(), grads[12:], np.zeros_like(w0)
+        )  # its initial weights are ignored
         assert ps.stats()["updates"] == 20
     np.testing.assert_array_equal(resumed, uninterrupted)  # bit for bit: the momentum came back too
 
@@ -165,8 +196,9 @@ async def test_a_failing_checkpoint_does_not_stop_training_but_close_reports_it(
     directory = tmp_path / "ckpts"
     directory.mkdir()
     grads = [g[0] for g, _ in random_batches(small_layout().size, 6, 1)]
-    ps = ParameterServer(ServerConfig(listen=["tcp://127.0.0.1:0"], **SGD, checkpoint=str(directory / "run.ckpt"),
-                                      checkpoint_every=2))
+    ps = ParameterServer(
+        ServerConfig(listen=["tcp://127.0.0.1:0"], **SGD, checkpoint=str(directory / "run.ckpt"), checkpoint_every=2)
+    )
     await ps.start()
     try:
         shutil.rmtree(directory)  # e.g. a volume that went away
@@ -247,8 +279,9 @@ def test_killed_server_resumes_from_its_checkpoint_and_the_learner_reconnects(tm
         first.communicate(timeout=30)
         state = ckpt.load(path)
         assert state.clock >= 30 and state.samples == state.clock * 32
-        second = start_server(port, "--resume", str(path), "--checkpoint", str(path), "--max-updates",
-                              str(state.clock + 50))
+        second = start_server(
+            port, "--resume", str(path), "--checkpoint", str(path), "--max-updates", str(state.clock + 50)
+        )
         out, err = learner.communicate(timeout=120)
         assert learner.returncode == 0, err
         assert last_json(out)["reconnects"] == 1
@@ -267,8 +300,14 @@ def test_killed_server_resumes_from_its_checkpoint_and_the_learner_reconnects(tm
 async def test_a_learner_without_reconnect_stops_with_a_clear_error_when_the_server_is_lost():
     async with run_server() as ps:
         learner = await asyncio.create_subprocess_exec(
-            *CLI_ARGS, "learner", "--connect", ps.addresses[0], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=subprocess_env())
+            *CLI_ARGS,
+            "learner",
+            "--connect",
+            ps.addresses[0],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=subprocess_env(),
+        )
         try:
             deadline = time.monotonic() + 60
             while ps.clock < 20:

@@ -1,4 +1,5 @@
 """The command line with real processes: train, server + learners, fast and clear failures."""
+
 import json
 import signal
 import socket
@@ -14,7 +15,16 @@ def test_train_writes_results_json(tmp_path):
     proc = run_cli("train", "--learners", "2", "--epochs", "1", "--batch-size", "16", "--quiet", "--results", str(out))
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
-    for key in ["protocol", "learners", "batch_size", "updates", "wall_s", "test_accuracy", "staleness_mean", "staleness_max"]:
+    for key in [
+        "protocol",
+        "learners",
+        "batch_size",
+        "updates",
+        "wall_s",
+        "test_accuracy",
+        "staleness_mean",
+        "staleness_max",
+    ]:
         assert key in res
     assert res["protocol"] == "async" and res["learners"] == 2 and res["batch_size"] == 16
     steps = -(-1437 // (2 * 16))  # each learner does epochs·N/(λμ) steps (N = 1,437 training digits)
@@ -47,8 +57,9 @@ def test_server_and_learners_in_separate_processes():
     server = start_server(port, "--max-updates", "40")
     learners = []
     try:
-        learners = [start_cli("learner", "--connect", f"tcp://127.0.0.1:{port}", "--index", str(i), "--json")
-                    for i in range(2)]
+        learners = [
+            start_cli("learner", "--connect", f"tcp://127.0.0.1:{port}", "--index", str(i), "--json") for i in range(2)
+        ]
         summaries = []
         for p in learners:
             out, err = p.communicate(timeout=120)

@@ -1,5 +1,6 @@
 """The server core without sockets or an event loop: registration, every push refusal,
 the update, snapshot and restore. Requests are frames built by the wire format itself."""
+
 import numpy as np
 import pytest
 
@@ -78,19 +79,26 @@ def test_every_push_refusal_has_its_code_and_changes_nothing():
     nan = good.copy()
     nan[3] = np.nan
     cases = {
-        "bad_request": [lambda: push(core, learner, good, learner_id=7),
-                        lambda: push(core, learner, good, timestamp="x"),
-                        lambda: push(core, learner, good, timestamp=True),
-                        lambda: push(core, learner, good, samples=-1),
-                        lambda: push(core, learner, good, samples=1.5)],
-        "bad_timestamp": [lambda: push(core, learner, good, timestamp=-1),
-                          lambda: push(core, learner, good, timestamp=1)],
-        "bad_shape": [lambda: push(core, learner, good[:-1]),
-                      lambda: push(core, learner, good.reshape(3, 3))],
-        "bad_dtype": [lambda: push(core, learner, good.astype(np.float64)),
-                      lambda: push(core, learner, good.astype(np.int32))],
-        "bad_gradient": [lambda: push(core, learner, nan),
-                         lambda: push(core, learner, np.full(LAYOUT.size, np.inf, np.float32))],
+        "bad_request": [
+            lambda: push(core, learner, good, learner_id=7),
+            lambda: push(core, learner, good, timestamp="x"),
+            lambda: push(core, learner, good, timestamp=True),
+            lambda: push(core, learner, good, samples=-1),
+            lambda: push(core, learner, good, samples=1.5),
+        ],
+        "bad_timestamp": [
+            lambda: push(core, learner, good, timestamp=-1),
+            lambda: push(core, learner, good, timestamp=1),
+        ],
+        "bad_shape": [lambda: push(core, learner, good[:-1]), lambda: push(core, learner, good.reshape(3, 3))],
+        "bad_dtype": [
+            lambda: push(core, learner, good.astype(np.float64)),
+            lambda: push(core, learner, good.astype(np.int32)),
+        ],
+        "bad_gradient": [
+            lambda: push(core, learner, nan),
+            lambda: push(core, learner, np.full(LAYOUT.size, np.inf, np.float32)),
+        ],
     }
     changes.clear()
     for code, calls in cases.items():

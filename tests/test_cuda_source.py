@@ -8,6 +8,7 @@
    not CuPy's launch or copies (the ``gpu`` tests in test_kernels.py do that on a device).
 2. ``nvcc`` compiles every variant to PTX for a current architecture, where nvcc exists.
 """
+
 import ctypes
 import shutil
 import subprocess
@@ -56,9 +57,20 @@ def emulated(tmp_path_factory):
         subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
         fn = ctypes.CDLL(str(lib)).launch
         fn.restype = None
-        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int,
-                       ctypes.c_longlong]
+        fn.argtypes = [
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_float,
+            ctypes.c_float,
+            ctypes.c_float,
+            ctypes.c_int,
+            ctypes.c_longlong,
+        ]
         built[dtype] = fn
     return built
 
@@ -66,8 +78,20 @@ def emulated(tmp_path_factory):
 def launch(fn, w, v, grads, scales, lr, momentum, weight_decay, nesterov, grid=3, block=32):
     pointers = np.array([g.ctypes.data for g in grads], np.uint64)
     scales = np.asarray(scales, np.float32)
-    fn(grid, block, w.ctypes.data, v.ctypes.data, pointers.ctypes.data, scales.ctypes.data, len(grads), lr,
-       momentum, weight_decay, int(nesterov), w.size)
+    fn(
+        grid,
+        block,
+        w.ctypes.data,
+        v.ctypes.data,
+        pointers.ctypes.data,
+        scales.ctypes.data,
+        len(grads),
+        lr,
+        momentum,
+        weight_decay,
+        int(nesterov),
+        w.size,
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -89,8 +113,9 @@ def test_every_element_is_updated_exactly_once(emulated):
     give v = 1.5, w = −2.5, and a missed element stays 0 (a grid of 91 threads over 1,000 values)."""
     size = 1000
     w, v = np.zeros(size, np.float32), np.zeros(size, np.float32)
-    launch(emulated[np.dtype(np.float32)], w, v, [np.ones(size, np.float32)], [1.0], 1.0, 0.5, 0.0, False,
-           grid=7, block=13)
+    launch(
+        emulated[np.dtype(np.float32)], w, v, [np.ones(size, np.float32)], [1.0], 1.0, 0.5, 0.0, False, grid=7, block=13
+    )
     np.testing.assert_array_equal(v, np.ones(size, np.float32))
     np.testing.assert_array_equal(w, -np.ones(size, np.float32))
 

@@ -1,4 +1,5 @@
 """The examples the README points to really run."""
+
 import re
 import subprocess
 import sys
@@ -8,8 +9,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_embed_server_example_converges():
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "embed_server.py")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "embed_server.py")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     m = re.search(r"updates (\d+)  mean staleness ([\d.]+)  max \|w - w\*\| ([\d.e+-]+)", proc.stdout)
     assert m, proc.stdout

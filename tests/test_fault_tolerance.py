@@ -1,4 +1,5 @@
 """No deadlock: learner processes killed mid-run, learners joining mid-run."""
+
 import asyncio
 import signal
 
@@ -22,9 +23,19 @@ PROTOCOLS = [
 async def start_learner(url, index):
     """A learner process that runs until the server says stop."""
     return await asyncio.create_subprocess_exec(
-        *CLI_ARGS, "learner", "--connect", url, "--index", str(index),
-        "--batch-size", "8", "--json",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=subprocess_env())
+        *CLI_ARGS,
+        "learner",
+        "--connect",
+        url,
+        "--index",
+        str(index),
+        "--batch-size",
+        "8",
+        "--json",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=subprocess_env(),
+    )
 
 
 @pytest.mark.parametrize("protocol, options", PROTOCOLS, ids=[p for p, _ in PROTOCOLS])
@@ -33,6 +44,7 @@ async def test_sigkill_of_a_learner_mid_run_lets_the_others_finish(protocol, opt
         url = ps.addresses[0]
         procs = [await start_learner(url, i) for i in range(3)]
         try:
+
             async def until(cond, timeout=60):
                 deadline = asyncio.get_running_loop().time() + timeout
                 while not cond():

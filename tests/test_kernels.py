@@ -1,4 +1,5 @@
 """Every update backend equals torch.optim.SGD, and the backends agree with each other."""
+
 import numpy as np
 import pytest
 
@@ -21,8 +22,9 @@ def test_backend_matches_torch_sgd(backend, momentum, weight_decay, nesterov, c)
     batches = list(random_batches(size, 20, c))
     up: Updater = make_updater(backend, size)
     w = w0.copy()
-    for step, (expected, (grads, scales)) in enumerate(zip(sgd_reference(w0, batches, 0.05, momentum, weight_decay,
-                                                                          nesterov), batches)):
+    for step, (expected, (grads, scales)) in enumerate(
+        zip(sgd_reference(w0, batches, 0.05, momentum, weight_decay, nesterov), batches)
+    ):
         out = w if step % 2 else np.empty_like(w)  # in place and out of place
         up.apply(w, out, grads, scales, 0.05, momentum, weight_decay, nesterov)
         w = out

@@ -1,4 +1,5 @@
 """`rudra-async launch`: every task of a cluster job takes its role from its rank."""
+
 import json
 import os
 
@@ -12,14 +13,17 @@ from rudra_async.config import ServerConfig
 from helpers import free_port, last_json, reap, run_cli, start_cli
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "8"}, (3, 8, "slurm")),
-    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, (1, 4, "openmpi")),
-    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, (0, 2, "pmi")),
-    ({"RANK": "5", "WORLD_SIZE": "6"}, (5, 6, "torchrun")),
-    # torchrun (or mpirun) started by srun: every task of a node inherits the node's SLURM_PROCID
-    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "RANK": "5", "WORLD_SIZE": "8"}, (5, 8, "torchrun")),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "8"}, (3, 8, "slurm")),
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, (1, 4, "openmpi")),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, (0, 2, "pmi")),
+        ({"RANK": "5", "WORLD_SIZE": "6"}, (5, 6, "torchrun")),
+        # torchrun (or mpirun) started by srun: every task of a node inherits the node's SLURM_PROCID
+        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "RANK": "5", "WORLD_SIZE": "8"}, (5, 8, "torchrun")),
+    ],
+)
 def test_rank_comes_from_the_cluster_engine(env, expected):
     assert rank_from_env(env) == expected
 
@@ -44,10 +48,22 @@ def test_bad_launch_settings_are_clear_errors(tmp_path):
 def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTASKS")):
     """Start ``world`` tasks as a cluster engine would (same command, rank in the environment)."""
     rank_var, size_var = engine
-    procs = [start_cli("launch", "--rendezvous", str(tmp_path), "--servers", str(servers), "--advertise", "127.0.0.1",
-                       "--listen-host", "127.0.0.1", *extra,
-                       env={rank_var: str(rank), size_var: str(world), "SLURM_JOB_ID": "4242"})
-             for rank in range(world)]
+    procs = [
+        start_cli(
+            "launch",
+            "--rendezvous",
+            str(tmp_path),
+            "--servers",
+            str(servers),
+            "--advertise",
+            "127.0.0.1",
+            "--listen-host",
+            "127.0.0.1",
+            *extra,
+            env={rank_var: str(rank), size_var: str(world), "SLURM_JOB_ID": "4242"},
+        )
+        for rank in range(world)
+    ]
     results = []
     try:
         for p in procs:
@@ -87,8 +103,16 @@ def test_a_learner_gives_up_when_no_server_appears(tmp_path):
 
 
 def test_a_server_whose_learners_never_come_ends_after_the_wait(tmp_path):
-    run = run_cli("launch", "--rendezvous", str(tmp_path), "--wait", "1", "--listen-host", "127.0.0.1",
-                  env={"RANK": "0", "WORLD_SIZE": "3"})
+    run = run_cli(
+        "launch",
+        "--rendezvous",
+        str(tmp_path),
+        "--wait",
+        "1",
+        "--listen-host",
+        "127.0.0.1",
+        env={"RANK": "0", "WORLD_SIZE": "3"},
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["updates"] == 0 and "0 of 2 learners came" in run.stderr
     assert os.listdir(tmp_path) == []

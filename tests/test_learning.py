@@ -1,5 +1,6 @@
 """The paper's central finding on digits with real learner processes (λ = 8, μ = 8):
 with a fixed α0, 8-softsync (⟨σ⟩ ≈ 6) fails to train; with α0/σ it matches hardsync."""
+
 import json
 
 from helpers import run_cli
@@ -16,8 +17,10 @@ def test_staleness_aware_lr_rescues_8_softsync(tmp_path):
     hard = train(tmp_path, "hard", "--protocol", "hardsync")
     soft_const = train(tmp_path, "const", "--protocol", "softsync", "--n", "8")
     soft_stale = train(tmp_path, "stale", "--protocol", "softsync", "--n", "8", "--lr-policy", "staleness")
-    summary = {k: (round(r["test_accuracy"], 4), round(r["staleness_mean"], 2))
-               for k, r in [("hardsync", hard), ("8-softsync α0", soft_const), ("8-softsync α0/σ", soft_stale)]}
+    summary = {
+        k: (round(r["test_accuracy"], 4), round(r["staleness_mean"], 2))
+        for k, r in [("hardsync", hard), ("8-softsync α0", soft_const), ("8-softsync α0/σ", soft_stale)]
+    }
     print(summary)
     assert hard["staleness_max"] == 0
     assert 4 <= soft_stale["staleness_mean"] <= 12  # ⟨σ⟩ ≈ n

@@ -1,4 +1,5 @@
 """LR policies and schedules; choosing protocols and policies by name, plugins included."""
+
 import numpy as np
 import pytest
 
@@ -41,8 +42,16 @@ def test_schedule_step_decay_warmup_and_linear_scaling():
     assert lin.rate(0, batch_samples=8 * 16) == pytest.approx(0.4)  # μλ/μ_ref = 128/32
 
 
-@pytest.mark.parametrize("kwargs", [dict(base=0), dict(base=0.1, decay=0), dict(base=0.1, warmup=-1),
-                                    dict(base=0.1, decay_unit="weeks"), dict(base=0.1, scale_ref_batch=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(base=0),
+        dict(base=0.1, decay=0),
+        dict(base=0.1, warmup=-1),
+        dict(base=0.1, decay_unit="weeks"),
+        dict(base=0.1, scale_ref_batch=0),
+    ],
+)
 def test_bad_schedules(kwargs):
     with pytest.raises(ConfigError):
         Schedule(**kwargs)
@@ -79,8 +88,14 @@ async def test_example_plugin_drives_a_real_server():
     from rudra_async.layout import Layout
 
     layout = Layout.from_shapes([("w", (3,))])
-    async with run_server(protocol="fixed-batch", protocol_options={"c": 3}, lr_policy="exp-staleness",
-                          lr_policy_options={"gamma": 0.5}, lr=1.0, momentum=0.0) as ps:
+    async with run_server(
+        protocol="fixed-batch",
+        protocol_options={"c": 3},
+        lr_policy="exp-staleness",
+        lr_policy_options={"gamma": 0.5},
+        lr=1.0,
+        momentum=0.0,
+    ) as ps:
         a = await Client.connect(ps.addresses[0], layout, np.zeros(3, np.float32))
         g = np.ones(3, np.float32)
         assert [(await a.push(g, 0)).status for _ in range(3)] == ["pending", "pending", "applied"]

@@ -1,4 +1,5 @@
 """Protocols through the real server over loopback TCP: exactness against torch, staleness."""
+
 import asyncio
 
 import numpy as np
@@ -59,7 +60,7 @@ async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(pro
         ws = [await l.client.pull() for l in learners]
         for step in range(STEPS):
             lo = step * LAM * MU
-            shards = [(x[lo + k * MU: lo + (k + 1) * MU], y[lo + k * MU: lo + (k + 1) * MU]) for k in range(LAM)]
+            shards = [(x[lo + k * MU : lo + (k + 1) * MU], y[lo + k * MU : lo + (k + 1) * MU]) for k in range(LAM)]
             if protocol == "hardsync":
                 ws = await asyncio.gather(*(l.step(w, *s) for l, w, s in zip(learners, ws, shards)))
             else:  # no barrier: push in turn on the same weights, then everyone pulls the update
@@ -68,7 +69,7 @@ async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(pro
                 ws = [await l.client.pull() for l in learners]
             opt.zero_grad(set_to_none=False)
             ref_flat.zero_grad()
-            nn.functional.cross_entropy(ref(x[lo: lo + LAM * MU]), y[lo: lo + LAM * MU]).backward()
+            nn.functional.cross_entropy(ref(x[lo : lo + LAM * MU]), y[lo : lo + LAM * MU]).backward()
             opt.step()
             assert all(w.timestamp == step + 1 for w in ws)
             for w in ws:
@@ -87,7 +88,7 @@ async def test_async_with_one_learner_equals_torch_sgd_on_mu():
         learner = await TorchLearner.connect(ps.addresses[0])
         w = await learner.client.pull()
         for step in range(STEPS):
-            xb, yb = x[step * MU: (step + 1) * MU], y[step * MU: (step + 1) * MU]
+            xb, yb = x[step * MU : (step + 1) * MU], y[step * MU : (step + 1) * MU]
             w = await learner.step(w, xb, yb)
             ref_flat.zero_grad()
             nn.functional.cross_entropy(ref(xb), yb).backward()
@@ -156,8 +157,10 @@ async def test_softsync_staleness_concentrates_around_n(n):
         assert hist.fraction_at_most(2 * n) >= 0.95
 
 
-@pytest.mark.parametrize("protocol, options, bound", [("hardsync", {}, 0), ("bounded", {"staleness_bound": 2}, 2),
-                                                      ("backup", {"backup": 1}, 0)])
+@pytest.mark.parametrize(
+    "protocol, options, bound",
+    [("hardsync", {}, 0), ("bounded", {"staleness_bound": 2}, 2), ("backup", {"backup": 1}, 0)],
+)
 async def test_protocol_staleness_bounds_with_uneven_learners(protocol, options, bound):
     from rudra_async.layout import Layout
 

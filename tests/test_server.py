@@ -1,4 +1,5 @@
 """The server over real loopback TCP: registration, async SGD, staleness, stop, leases."""
+
 import asyncio
 
 import numpy as np
@@ -53,7 +54,9 @@ async def test_staleness_is_clock_minus_stamp():
         assert stats["staleness_histogram"] == {"0": 3, "3": 1}
         assert stats["staleness_max"] == 3 and stats["staleness_mean"] == pytest.approx(0.75)
         assert {k: (v["name"], v["gradients"], v["dropped"]) for k, v in stats["learners"].items()} == {
-            "0": ("a", 1, 0), "1": ("b", 3, 0)}
+            "0": ("a", 1, 0),
+            "1": ("b", 3, 0),
+        }
         for c in (a, b):
             await c.close()
 

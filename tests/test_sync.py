@@ -1,4 +1,5 @@
 """Protocols as pure state machines: feed events, check decisions. No sockets."""
+
 import pytest
 
 from rudra_async import ConfigError

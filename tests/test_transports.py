@@ -1,4 +1,5 @@
 """Every built-in and plugin transport passes the conformance suite; a broken one fails it."""
+
 import sys
 
 import pytest

@@ -9,6 +9,7 @@ TCP, with the numpy and torch kernels (and cupy where a CUDA device is visible),
 same replay with other settings checks the rest of the text (each policy, Nesterov, decay
 by updates, no momentum).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -132,8 +133,14 @@ def read_example(text: str | None = None) -> Example:
             m.timestamp, m.samples = int(row["timestamp"]), int(row["samples"])
             m.grad = np.array(numbers(row["gradient"]), np.dtype(row["dtype"]))
         messages.append(m)
-    return Example(settings, theta0, messages, table_with(all_tables, "f_l"), table_with(all_tables, "η_t"),
-                   table_with(all_tables, "θ_{t+1}"))
+    return Example(
+        settings,
+        theta0,
+        messages,
+        table_with(all_tables, "f_l"),
+        table_with(all_tables, "η_t"),
+        table_with(all_tables, "θ_{t+1}"),
+    )
 
 
 # -- the text's update rule, implemented from docs/protocols.md alone -------------------------
@@ -180,9 +187,21 @@ def policy_factor(name: str, sigma: int, window: list[int]) -> float:
 
 def replay_text(ex: Example, settings: dict) -> Run:
     """What the text says happens: softsync batching, then the steps of "The update"."""
-    cfg = {"lr": 0.03, "momentum": 0.9, "weight_decay": 0.0, "nesterov": False, "lr_policy": "constant",
-           "mean_staleness_window": 0, "lr_decay_at": (), "lr_decay": 0.1, "lr_decay_unit": "updates",
-           "warmup": 0, "lr_scale_ref_batch": None, "samples_per_epoch": None, **settings}
+    cfg = {
+        "lr": 0.03,
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+        "nesterov": False,
+        "lr_policy": "constant",
+        "mean_staleness_window": 0,
+        "lr_decay_at": (),
+        "lr_decay": 0.1,
+        "lr_decay_unit": "updates",
+        "warmup": 0,
+        "lr_scale_ref_batch": None,
+        "samples_per_epoch": None,
+        **settings,
+    }
     assert cfg["protocol"] == "softsync", "this replay knows softsync's batching only"
     n = cfg["n"]
     theta = ex.theta0.copy()
@@ -220,9 +239,29 @@ def replay_text(ex: Example, settings: dict) -> Run:
         else:
             step = d
         theta = theta + step * f32(-eta)
-        run.updates.append(Update(t, [m.step for m in batch], sigmas, window,
-                                  sum(window) / len(window) if cfg["lr_policy"] == "mean-staleness" else None,
-                                  f, s, P, e, k, decay_k, w, S, r, eta, g, d, v.copy(), theta.copy()))
+        run.updates.append(
+            Update(
+                t,
+                [m.step for m in batch],
+                sigmas,
+                window,
+                sum(window) / len(window) if cfg["lr_policy"] == "mean-staleness" else None,
+                f,
+                s,
+                P,
+                e,
+                k,
+                decay_k,
+                w,
+                S,
+                r,
+                eta,
+                g,
+                d,
+                v.copy(),
+                theta.copy(),
+            )
+        )
         staleness.update((m.step, sigma) for m, sigma in zip(batch, sigmas))
         t += 1
         P += S
@@ -263,7 +302,9 @@ def same_f32(doc_value: str, value: np.ndarray) -> bool:
 def check_document(ex: Example) -> None:
     run = replay_text(ex, ex.settings)
     for m in ex.messages:
-        assert m.reply == run.replies[m.step], f"message {m.step}: the doc says {m.reply!r}, the text gives {run.replies[m.step]!r}"
+        assert m.reply == run.replies[m.step], (
+            f"message {m.step}: the doc says {m.reply!r}, the text gives {run.replies[m.step]!r}"
+        )
     assert len(ex.policy_rows) == len(ex.schedule_rows) == len(ex.vector_rows) == len(run.updates)
     for u, p, s, vec in zip(run.updates, ex.policy_rows, ex.schedule_rows, ex.vector_rows):
         where = f"update t = {u.t}"
@@ -273,8 +314,9 @@ def check_document(ex: Example) -> None:
         assert u.mean is not None and close(p["⟨σ⟩"], u.mean), where
         for column, values in (("f_l", u.f), ("s_l", u.s)):
             doc = numbers(p[column])
-            assert len(doc) == len(values) and all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(doc, values)), \
+            assert len(doc) == len(values) and all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(doc, values)), (
                 f"{where}: {column} is {values}, the doc says {p[column]}"
+            )
         assert int(s["P"]) == u.P and int(s["S"]) == u.S and int(s["k"]) == u.k, where
         epoch = next(key for key in s if key.startswith("e ="))
         assert u.e is not None and close(s[epoch], u.e), where
@@ -344,7 +386,9 @@ async def replay_on_server(ex: Example, settings: dict, kernel: str, tmp_path: P
             else:
                 before = ps.clock
                 ack = await clients[m.learner].push(m.grad, m.timestamp, samples=m.samples)
-                replies[m.step] = f"ACK {ack.status}" + (f", staleness {ack.staleness}" if ack.staleness is not None else "")
+                replies[m.step] = f"ACK {ack.status}" + (
+                    f", staleness {ack.staleness}" if ack.staleness is not None else ""
+                )
                 for clock in range(before + 1, ps.clock + 1):
                     weights = await next(iter(clients.values())).pull()
                     assert weights.timestamp == clock == len(thetas) + 1
@@ -387,8 +431,13 @@ VARIANTS = {
     "staleness-plus-one": {"lr_policy": "staleness-plus-one"},
     "mean-staleness-whole-run": {"mean_staleness_window": 0},
     "decay-by-updates": {"lr_decay_unit": "updates", "lr_decay_at": (2,)},
-    "no-momentum-decay-warmup-scaling": {"momentum": 0.0, "weight_decay": 0.0, "warmup": 0,
-                                          "lr_scale_ref_batch": None, "lr_decay_at": ()},
+    "no-momentum-decay-warmup-scaling": {
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "warmup": 0,
+        "lr_scale_ref_batch": None,
+        "lr_decay_at": (),
+    },
 }
 
 

@@ -1,4 +1,5 @@
 """The wire format: round trips through the incremental reader, and every header violation."""
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -92,7 +93,9 @@ def test_round_trip_large_segments_into_preallocated_buffer(sizes, dtype, seed):
     arrs = [rng.integers(0, 255, size=n // dt.itemsize * dt.itemsize, dtype=np.uint8).view(dt) for n in sizes]
     parts = encode_frame(MsgType.PUSH, {"timestamp": 1}, arrs)
     # encode_frame must not copy: the segment parts are views of the caller's arrays
-    assert all(np.shares_memory(np.frombuffer(p, np.uint8), a) for p, a in zip(parts[1:], [a for a in arrs if a.nbytes]))
+    assert all(
+        np.shares_memory(np.frombuffer(p, np.uint8), a) for p, a in zip(parts[1:], [a for a in arrs if a.nbytes])
+    )
     target = bytearray(sum(a.nbytes for a in arrs))
     reader = FrameReader(allocate=lambda t, m, n: memoryview(target) if n == len(target) else None)
     frames = feed(reader, joined(parts), [1 << 22, 13, 1 << 20])
@@ -173,8 +176,10 @@ def receive_messages(reader: FrameReader, messages) -> list:
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrs=st.lists(arrays(), max_size=4), meta=st.dictionaries(st.text(max_size=5).filter(lambda k: k != "seg"),
-                                                                 st.integers(), max_size=3))
+@given(
+    arrs=st.lists(arrays(), max_size=4),
+    meta=st.dictionaries(st.text(max_size=5).filter(lambda k: k != "seg"), st.integers(), max_size=3),
+)
 def test_messages_mode_receives_one_message_per_get_buffer(arrs, meta):
     messages = encode_messages(MsgType.PUSH, meta, arrs)
     assert len(messages) == 2 + sum(1 for a in arrs if a.nbytes)  # header, metadata, each non-empty segment

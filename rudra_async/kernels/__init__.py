@@ -11,6 +11,7 @@ Every backend computes, in one pass over flat float32 buffers, what ``torch.opti
 Gradients may be float32 or float16 (accumulated in float32). This package is the only
 place that imports cupy or decides the device; :func:`select` picks a backend.
 """
+
 from __future__ import annotations
 
 import abc
@@ -36,9 +37,17 @@ class Updater(abc.ABC):
         self.size = size
 
     @abc.abstractmethod
-    def apply(self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float],
-              lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> None:
-        ...
+    def apply(
+        self,
+        w: np.ndarray,
+        w_out: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None: ...
 
     @property
     @abc.abstractmethod

@@ -12,6 +12,7 @@ momentum ``v``::
 kernel variant per dtype; float16 is widened before the multiply, by one PTX ``cvt``, so
 the source needs no CUDA headers: CuPy's wheels compile it with NVRTC alone).
 """
+
 from __future__ import annotations
 
 import numpy as np

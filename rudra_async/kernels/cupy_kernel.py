@@ -10,6 +10,7 @@ from ``w`` whenever ``w`` is not the buffer the previous ``apply`` wrote.
 
 Only imported when :func:`rudra_async.kernels.resolve` saw ``cupy.is_available()``.
 """
+
 from __future__ import annotations
 
 import cupy as cp
@@ -70,9 +71,20 @@ class CupyUpdater(Updater):
             self._pointers[c] = cp.asarray(np.array([g.data.ptr for g in self._grads[:c]], np.uint64))
         scale_arr = cp.asarray(np.asarray(scales, np.float32))
         self._kernels[np.dtype(dtype)](
-            (self._blocks,), (_THREADS,),
-            (self._w, self._v, self._pointers[c], scale_arr, np.int32(c), np.float32(lr),
-             np.float32(momentum), np.float32(weight_decay), np.int32(bool(nesterov)), np.int64(self.size)),
+            (self._blocks,),
+            (_THREADS,),
+            (
+                self._w,
+                self._v,
+                self._pointers[c],
+                scale_arr,
+                np.int32(c),
+                np.float32(lr),
+                np.float32(momentum),
+                np.float32(weight_decay),
+                np.int32(bool(nesterov)),
+                np.int64(self.size),
+            ),
         )
 
     @property

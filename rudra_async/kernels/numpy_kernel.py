@@ -1,4 +1,5 @@
 """The numpy backend: the reference. In place, cache-sized blocks, no full-size temporaries."""
+
 from __future__ import annotations
 
 from typing import Sequence

@@ -1,6 +1,7 @@
 """The torch CPU backend: torch's fused SGD kernel (the one behind ``SGD(fused=True)``)
 over the host buffers, viewed without copies. For c > 1 the scaled gradients are first
 summed block by block, so the combined gradient stays in cache."""
+
 from __future__ import annotations
 
 import torch
@@ -40,7 +41,14 @@ class TorchUpdater(HostUpdater):
     @staticmethod
     def _step(w, d, v, lr, momentum, weight_decay, nesterov) -> None:
         torch._fused_sgd_(
-            [w], [d], [v] if momentum else [],
-            weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0, nesterov=nesterov,
-            maximize=False, is_first_step=False,
+            [w],
+            [d],
+            [v] if momentum else [],
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=lr,
+            dampening=0.0,
+            nesterov=nesterov,
+            maximize=False,
+            is_first_step=False,
         )

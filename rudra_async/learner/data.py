@@ -1,4 +1,5 @@
 """Data sets that ship with installed packages (nothing is downloaded at run time)."""
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,9 @@ def load_digits(test_fraction: float = 0.2, split_seed: int = 0) -> Dataset:
     except ImportError:
         raise ConfigError("the digits data set needs scikit-learn: pip install 'rudra-async[learner]'") from None
     raw = sk_digits()
-    return _split("digits", (raw.data / 16.0).astype(np.float32), raw.target.astype(np.int64), test_fraction, split_seed)
+    return _split(
+        "digits", (raw.data / 16.0).astype(np.float32), raw.target.astype(np.int64), test_fraction, split_seed
+    )
 
 
 def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int) -> Dataset:

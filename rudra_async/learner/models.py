@@ -2,6 +2,7 @@
 
 A factory takes ``(n_features, n_classes)`` and returns a ``torch.nn.Module``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -32,10 +33,19 @@ def cifar10_full(n_features: int, n_classes: int) -> Any:
     if n_features != 3 * 32 * 32:
         raise ConfigError(f"cifar10_full expects 3x32x32 images, the data set has {n_features} features")
     return nn.Sequential(
-        nn.Conv2d(3, 32, 5, padding=2), nn.MaxPool2d(3, 2, ceil_mode=True), nn.ReLU(), nn.LocalResponseNorm(3),
-        nn.Conv2d(32, 32, 5, padding=2), nn.ReLU(), nn.AvgPool2d(3, 2, ceil_mode=True), nn.LocalResponseNorm(3),
-        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.AvgPool2d(3, 2, ceil_mode=True),
-        nn.Flatten(), nn.Linear(64 * 4 * 4, n_classes),
+        nn.Conv2d(3, 32, 5, padding=2),
+        nn.MaxPool2d(3, 2, ceil_mode=True),
+        nn.ReLU(),
+        nn.LocalResponseNorm(3),
+        nn.Conv2d(32, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.AvgPool2d(3, 2, ceil_mode=True),
+        nn.LocalResponseNorm(3),
+        nn.Conv2d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.AvgPool2d(3, 2, ceil_mode=True),
+        nn.Flatten(),
+        nn.Linear(64 * 4 * 4, n_classes),
     )
 
 

@@ -4,6 +4,7 @@ Loop: sample a mini-batch of μ → compute the mean gradient on the weights sta
 push it with stamp j and receive the newest weights (one round trip) → repeat.
 Pulled weights are received straight into the model's parameter memory.
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,13 +88,23 @@ def evaluate_checkpoint(paths: Sequence[str], model: str = "mlp", dataset: str =
     flat = FlatModel(module)
     layout = states[0].layout
     if flat.layout.to_wire() != layout.to_wire():
-        raise ConfigError(f"the checkpoint's parameters ({len(layout.tensors)} tensors, {layout.size} values) "
-                          f"are not those of model {model!r} on {dataset!r} ({flat.layout.size} values)")
+        raise ConfigError(
+            f"the checkpoint's parameters ({len(layout.tensors)} tensors, {layout.size} values) "
+            f"are not those of model {model!r} on {dataset!r} ({flat.layout.size} values)"
+        )
     flat.load(np.concatenate([st.weights for st in states]))
     accuracy, loss = evaluate(module, data.x_test, data.y_test)
-    return {"checkpoints": list(paths), "clocks": [st.clock for st in states], "clock": states[0].clock,
-            "samples": states[0].samples, "model": model, "dataset": dataset,
-            "test_accuracy": accuracy, "test_error": 1.0 - accuracy, "test_loss": loss}
+    return {
+        "checkpoints": list(paths),
+        "clocks": [st.clock for st in states],
+        "clock": states[0].clock,
+        "samples": states[0].samples,
+        "model": model,
+        "dataset": dataset,
+        "test_accuracy": accuracy,
+        "test_error": 1.0 - accuracy,
+        "test_loss": loss,
+    }
 
 
 def build_model(model: str, dataset: datasets.Dataset, seed: int) -> nn.Module:
@@ -133,8 +144,11 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                 w = client.reconnect(opts.reconnect)  # this gradient is lost with the connection
                 reconnects += 1
                 if w.timestamp < last:
-                    log.warning("the server's clock went back from %s to %s: it restarted without its checkpoint",
-                                last, w.timestamp)
+                    log.warning(
+                        "the server's clock went back from %s to %s: it restarted without its checkpoint",
+                        last,
+                        w.timestamp,
+                    )
                 continue
             steps += 1
         learner_id = client.learner_id

@@ -8,6 +8,7 @@ can read (a shared filesystem); learners wait for all S addresses, then train. A
 ends once every learner of the job has joined and left (or on SIGTERM); the job's results
 are each process's JSON line on stdout.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +45,9 @@ def rank_from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
             try:
                 rank, size = int(env[rank_var]), int(env[size_var])
             except ValueError:
-                raise ConfigError(f"{rank_var}={env[rank_var]!r} / {size_var}={env[size_var]!r} are not integers") from None
+                raise ConfigError(
+                    f"{rank_var}={env[rank_var]!r} / {size_var}={env[size_var]!r} are not integers"
+                ) from None
             return rank, size, engine
     known = ", ".join(f"{r}/{s}" for _, r, s in ENGINES)
     raise ConfigError(f"no cluster rank in the environment ({known}); pass --rank and --world-size")
@@ -119,8 +122,13 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
                 elif len(learners) >= learners_of(cfg):
                     break  # every learner of the job came and went
                 elif time.monotonic() - idle_since > cfg.wait:
-                    log.warning("shard %s: %d of %d learners came; none connected for %g s, ending", shard,
-                                len(learners), learners_of(cfg), cfg.wait)
+                    log.warning(
+                        "shard %s: %d of %d learners came; none connected for %g s, ending",
+                        shard,
+                        len(learners),
+                        learners_of(cfg),
+                        cfg.wait,
+                    )
                     break
                 await asyncio.sleep(0.1)
         finally:
@@ -139,8 +147,9 @@ def wait_for_servers(cfg: LaunchConfig) -> list[str]:
         if not waiting:
             return [url for url in urls if url is not None]
         if time.monotonic() > deadline:
-            raise RudraError(f"servers did not publish their addresses within {cfg.wait:g} s: missing {waiting}",
-                             code="rendezvous")
+            raise RudraError(
+                f"servers did not publish their addresses within {cfg.wait:g} s: missing {waiting}", code="rendezvous"
+            )
         time.sleep(0.2)
 
 

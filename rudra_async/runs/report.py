@@ -11,6 +11,7 @@ Each verdict states its criterion and the numbers; a finding that does not repro
 reported as such. Numbers from simulated runs are accuracy and staleness only; times come
 from runs in ``processes`` mode.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -126,29 +127,43 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
 
     policies = _by(soft, lambda r: r["lr_policy"])
     hard_err = _mean([r["test_error"] for r in hard])
-    const = {n: _mean([r["test_error"] for r in rs]) for n, rs in _by(policies.get("constant", []), lambda r: r["point"]["n"]).items()}
-    stale = {n: _mean([r["test_error"] for r in rs]) for n, rs in _by(policies.get("staleness", []), lambda r: r["point"]["n"]).items()}
+    const = {
+        n: _mean([r["test_error"] for r in rs])
+        for n, rs in _by(policies.get("constant", []), lambda r: r["point"]["n"]).items()
+    }
+    stale = {
+        n: _mean([r["test_error"] for r in rs])
+        for n, rs in _by(policies.get("staleness", []), lambda r: r["point"]["n"]).items()
+    }
     rep.add("## 2. With a fixed α0, error rises with n and the largest n fails", "")
     if len(const) >= 2:
         ns = sorted(const)
         rho = spearman(ns, [const[n] for n in ns])
         ok2 = rho > 0 and (const[ns[-1]] >= 0.5 or const[ns[-1]] - const[ns[0]] >= 0.05)
-        rep.add(f"Criterion: error increases with n (Spearman ρ > 0; here ρ = {rho:.2f}) and the largest n has error "
-                f"≥ 0.5 or at least 5 points worse than the smallest (here {const[ns[-1]]:.3f} vs {const[ns[0]]:.3f}). "
-                f"Verdict: {_verdict(ok2)}.", "")
+        rep.add(
+            f"Criterion: error increases with n (Spearman ρ > 0; here ρ = {rho:.2f}) and the largest n has error "
+            f"≥ 0.5 or at least 5 points worse than the smallest (here {const[ns[-1]]:.3f} vs {const[ns[0]]:.3f}). "
+            f"Verdict: {_verdict(ok2)}.",
+            "",
+        )
     else:
         rep.add(f"Verdict: {_verdict(None)} (needs constant-α runs for at least two n).", "")
     rep.add("## 3. With α0/σ every n lands close to hardsync's error", "")
     if stale and hard:
         worst = max(stale.values()) - hard_err
         ok3 = worst <= 0.03
-        rep.add(f"Criterion: every n with α0/σ within 3 points of hardsync's error ({hard_err:.3f}); the largest "
-                f"gap is {worst:+.3f}. Verdict: {_verdict(ok3)}.", "")
+        rep.add(
+            f"Criterion: every n with α0/σ within 3 points of hardsync's error ({hard_err:.3f}); the largest "
+            f"gap is {worst:+.3f}. Verdict: {_verdict(ok3)}.",
+            "",
+        )
     else:
         rep.add(f"Verdict: {_verdict(None)} (needs α0/σ runs and a hardsync reference in the group).", "")
     ns = sorted(set(const) | set(stale))
-    rep.table(["n", "test error, α0", "test error, α0/σ"] + (["hardsync"] if hard else []),
-              [[n, const.get(n, float("nan")), stale.get(n, float("nan"))] + ([hard_err] if hard else []) for n in ns])
+    rep.table(
+        ["n", "test error, α0", "test error, α0/σ"] + (["hardsync"] if hard else []),
+        [[n, const.get(n, float("nan")), stale.get(n, float("nan"))] + ([hard_err] if hard else []) for n in ns],
+    )
 
     def draw_err(ax):
         for name, errs in (("fixed α0", const), ("α0/σ", stale)):
@@ -167,20 +182,30 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
 
 def _batch_section(rep: _Report, hard: list[dict[str, Any]], soft: list[dict[str, Any]]) -> None:
     rep.add("## 4. Hardsync behaves like SGD with batch μλ; for softsync μ⟨σ⟩ plays that role", "")
-    hard_pts = {k: _mean([r["test_error"] for r in rs]) for k, rs in _by(hard, lambda r: r["batch_size"] * r["learners"]).items()}
-    soft_pts = sorted((r["batch_size"] * max(r["staleness_mean"], 1e-9), r["test_error"], r["batch_size"], r["point"].get("n"))
-                      for r in soft)
+    hard_pts = {
+        k: _mean([r["test_error"] for r in rs])
+        for k, rs in _by(hard, lambda r: r["batch_size"] * r["learners"]).items()
+    }
+    soft_pts = sorted(
+        (r["batch_size"] * max(r["staleness_mean"], 1e-9), r["test_error"], r["batch_size"], r["point"].get("n"))
+        for r in soft
+    )
     rho_h = spearman(list(hard_pts), list(hard_pts.values())) if hard_pts else float("nan")
     rho_s = spearman([p[0] for p in soft_pts], [p[1] for p in soft_pts]) if soft_pts else float("nan")
     # "tracks" also means: runs with about the same μ⟨σ⟩ (within ×1.25) have about the same error
-    spread = max((abs(a[1] - b[1]) for a in soft_pts for b in soft_pts if b[0] <= a[0] * 1.25 and a[0] <= b[0] * 1.25),
-                 default=float("nan"))
+    spread = max(
+        (abs(a[1] - b[1]) for a in soft_pts for b in soft_pts if b[0] <= a[0] * 1.25 and a[0] <= b[0] * 1.25),
+        default=float("nan"),
+    )
     soft_ok = bool(rho_s > 0 and spread <= 0.1) if soft_pts else None
     rep.add("Softsync runs with a constant α0 only (the rate modulation is meant to undo this effect).", "")
-    rep.add(f"Criterion: error grows with μλ for hardsync (Spearman ρ = {rho_h:.2f}) — "
-            f"{_verdict(bool(rho_h > 0) if hard_pts else None)}; for softsync, error grows with μ⟨σ⟩ (ρ = {rho_s:.2f}) "
-            f"and runs with about the same μ⟨σ⟩ (within ×1.25) differ by at most 0.1 in error (largest difference "
-            f"{spread:.3f}) — {_verdict(soft_ok)}.", "")
+    rep.add(
+        f"Criterion: error grows with μλ for hardsync (Spearman ρ = {rho_h:.2f}) — "
+        f"{_verdict(bool(rho_h > 0) if hard_pts else None)}; for softsync, error grows with μ⟨σ⟩ (ρ = {rho_s:.2f}) "
+        f"and runs with about the same μ⟨σ⟩ (within ×1.25) differ by at most 0.1 in error (largest difference "
+        f"{spread:.3f}) — {_verdict(soft_ok)}.",
+        "",
+    )
     if hard_pts:
         rep.table(["μλ (hardsync)", "test error"], [[k, v] for k, v in hard_pts.items()])
     if soft_pts:
@@ -207,8 +232,10 @@ def _runtime_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         rep.add(f"Verdict: {_verdict(None)} (no runs in processes mode).", "")
         return
     by_proto = _by(real, lambda r: r["protocol"])
-    rates = {p: {lam: _mean([r["samples_per_s"] for r in rs]) for lam, rs in _by(v, lambda r: r["learners"]).items()}
-             for p, v in by_proto.items()}
+    rates = {
+        p: {lam: _mean([r["samples_per_s"] for r in rs]) for lam, rs in _by(v, lambda r: r["learners"]).items()}
+        for p, v in by_proto.items()
+    }
     lams = sorted({lam for v in rates.values() for lam in v})
     rows = []
     for lam in lams:
@@ -227,10 +254,13 @@ def _runtime_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
     if "async" in rates and len(rates["async"]) >= 2:
         ls = sorted(rates["async"])
         growing = all(rates["async"][b] > rates["async"][a] for a, b in zip(ls, ls[1:]))
-    rep.add(f"Measured with real learner processes on this machine ({os.cpu_count()} cores), training time only "
-            "(from the first to the last update). Criterion: async processes more samples per second than "
-            f"hardsync at every λ > 1 — {_verdict(faster)}; async throughput grows with every added learner — "
-            f"{_verdict(growing)}.", "")
+    rep.add(
+        f"Measured with real learner processes on this machine ({os.cpu_count()} cores), training time only "
+        "(from the first to the last update). Criterion: async processes more samples per second than "
+        f"hardsync at every λ > 1 — {_verdict(faster)}; async throughput grows with every added learner — "
+        f"{_verdict(growing)}.",
+        "",
+    )
     rep.table(header, rows)
 
     def draw(ax):
@@ -250,25 +280,51 @@ def write_report(spec: dict[str, Any], spec_path: str, results: list[dict[str, A
     cfg = spec.get("report", {})
     groups = _by(results, lambda r: r["group"])
     modes = sorted({r.get("mode", "?") for r in results})
-    rep.add(f"# {meta.get('name', 'rudra-async study')}", "",
-            f"Produced by `rudra-async study {spec_path}` ({len(results)} runs; modes: {', '.join(modes)}) on "
-            f"{datetime.date.today().isoformat()}, Python {platform.python_version()}, {os.cpu_count()} CPU cores. "
-            "Raw results: `results.jsonl` beside this file (one JSON line per run).", "")
+    rep.add(
+        f"# {meta.get('name', 'rudra-async study')}",
+        "",
+        f"Produced by `rudra-async study {spec_path}` ({len(results)} runs; modes: {', '.join(modes)}) on "
+        f"{datetime.date.today().isoformat()}, Python {platform.python_version()}, {os.cpu_count()} CPU cores. "
+        "Raw results: `results.jsonl` beside this file (one JSON line per run).",
+        "",
+    )
     if meta.get("description"):
         rep.add(str(meta["description"]).strip(), "")
-    rep.add("Simulated runs (λ learners as tasks in one process, deterministic scheduler, homogeneous speeds "
-            "unless stated) give accuracy and staleness; only runs in `processes` mode give times.", "")
+    rep.add(
+        "Simulated runs (λ learners as tasks in one process, deterministic scheduler, homogeneous speeds "
+        "unless stated) give accuracy and staleness; only runs in `processes` mode give times.",
+        "",
+    )
     _staleness_section(rep, groups.get(cfg.get("staleness", ""), []))
     hard_batch = [r for r in groups.get(cfg.get("hardsync_batch", ""), []) if r["protocol"] == "hardsync"]
-    soft_batch = [r for r in groups.get(cfg.get("softsync_batch", ""), [])
-                  if r["protocol"] == "softsync" and r["lr_policy"] == "constant"]
+    soft_batch = [
+        r
+        for r in groups.get(cfg.get("softsync_batch", ""), [])
+        if r["protocol"] == "softsync" and r["lr_policy"] == "constant"
+    ]
     _batch_section(rep, hard_batch, soft_batch)
     _runtime_section(rep, groups.get(cfg.get("runtime", ""), []))
     rep.add("## All runs", "")
-    rep.table(["group", "mode", "protocol", "n", "λ", "μ", "LR policy", "α0", "updates", "⟨σ⟩", "max σ", "test error"],
-              [[r["group"], r.get("mode"), r["protocol"], r["point"].get("n", ""), r["learners"], r["batch_size"],
-                r["lr_policy"], r["lr"], r["updates"], r["staleness_mean"], r["staleness_max"], r["test_error"]]
-               for r in results])
+    rep.table(
+        ["group", "mode", "protocol", "n", "λ", "μ", "LR policy", "α0", "updates", "⟨σ⟩", "max σ", "test error"],
+        [
+            [
+                r["group"],
+                r.get("mode"),
+                r["protocol"],
+                r["point"].get("n", ""),
+                r["learners"],
+                r["batch_size"],
+                r["lr_policy"],
+                r["lr"],
+                r["updates"],
+                r["staleness_mean"],
+                r["staleness_max"],
+                r["test_error"],
+            ]
+            for r in results
+        ],
+    )
     if cfg.get("notes"):
         rep.add("## Notes", "", str(cfg["notes"]).strip(), "")
     path = out / "report.md"

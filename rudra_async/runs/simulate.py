@@ -12,6 +12,7 @@ reproducible: the same seed gives the same gradients in the same order.
 
 Times reported by a simulation are virtual; runtime figures come only from real processes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,9 @@ class Scheduler:
 
     def _quiet(self) -> bool:
         blocked = self.server.blocked
-        return all(s in ("turn", "done") or (s == "request" and self.ids.get(i) in blocked)
-                   for i, s in self.state.items())
+        return all(
+            s in ("turn", "done") or (s == "request" and self.ids.get(i) in blocked) for i, s in self.state.items()
+        )
 
     async def run(self) -> None:
         while any(s != "done" for s in self.state.values()):
@@ -66,8 +68,11 @@ class Scheduler:
             if not self.queue:
                 if all(s == "done" for s in self.state.values()):
                     return
-                proto = {k: (sorted(v) if isinstance(v, (set, dict)) else v)
-                         for k, v in vars(self.server.core.protocol).items() if k not in ("now", "pending", "held")}
+                proto = {
+                    k: (sorted(v) if isinstance(v, (set, dict)) else v)
+                    for k, v in vars(self.server.core.protocol).items()
+                    if k not in ("now", "pending", "held")
+                }
                 raise RudraError(f"simulation deadlock at clock {self.server.clock}: every learner waits ({proto})")
             when, _, index = heapq.heappop(self.queue)
             self.now = max(self.now, when)
@@ -75,8 +80,16 @@ class Scheduler:
             self.turns.pop(index).set_result(None)
 
 
-async def _learner(index: int, cfg: TrainConfig, url: str, dataset: Any, steps: int | None, sched: Scheduler,
-                   duration: np.ndarray, rng: np.random.Generator) -> None:
+async def _learner(
+    index: int,
+    cfg: TrainConfig,
+    url: str,
+    dataset: Any,
+    steps: int | None,
+    sched: Scheduler,
+    duration: np.ndarray,
+    rng: np.random.Generator,
+) -> None:
     import torch
 
     from ..learner.data import minibatches
@@ -129,8 +142,20 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
         for i in range(cfg.learners):
             sched.state[i] = "request"
             durations = speed[i] * np.clip(1.0 + jitter * rng.standard_normal(min(budget, 100_000)), 0.1, None)
-            tasks.append(asyncio.create_task(_learner(i, cfg, server.addresses[0], dataset, steps, sched, durations,
-                                                      np.random.default_rng([cfg.learner.seed, i]))))
+            tasks.append(
+                asyncio.create_task(
+                    _learner(
+                        i,
+                        cfg,
+                        server.addresses[0],
+                        dataset,
+                        steps,
+                        sched,
+                        durations,
+                        np.random.default_rng([cfg.learner.seed, i]),
+                    )
+                )
+            )
         runner = asyncio.create_task(sched.run())
         try:
             await asyncio.gather(runner, *tasks)  # the first failure propagates at once
@@ -139,5 +164,10 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
                 t.cancel()
             raise
         results = summarize(cfg, server, dataset)
-    return {**results, "mode": "simulated", "virtual_time": sched.now, "wall_s": time.monotonic() - started,
-            "heterogeneity": heterogeneity}
+    return {
+        **results,
+        "mode": "simulated",
+        "virtual_time": sched.now,
+        "wall_s": time.monotonic() - started,
+        "heterogeneity": heterogeneity,
+    }

@@ -21,6 +21,7 @@ Spec::
 Every combination of the grid's lists is one run. A run's id is a hash of its settings;
 finished ids found in ``results.jsonl`` are skipped, so an interrupted sweep resumes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -108,8 +109,9 @@ def load_results(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_study(spec_path: str, output: str | None = None, progress: Callable[[str], None] = print,
-              report: bool = True) -> Path:
+def run_study(
+    spec_path: str, output: str | None = None, progress: Callable[[str], None] = print, report: bool = True
+) -> Path:
     """Run every unfinished point of the spec, append results, write the report. Returns the output dir."""
     spec = _load_toml(Path(spec_path))
     points = expand(spec)
@@ -127,8 +129,10 @@ def run_study(spec_path: str, output: str | None = None, progress: Callable[[str
         with open(results_path, "a") as fh:
             fh.write(json.dumps(line) + "\n")
         settings = " ".join(f"{key}={point[key]}" for key in sorted(point) if key not in ("group", "mode"))
-        progress(f"[{k}/{len(todo)}] {point['group']} ({point['mode']}) {settings}: test error "
-                 f"{result['test_error']:.3f}, ⟨σ⟩ {result['staleness_mean']:.2f}, {time.monotonic() - started:.1f} s")
+        progress(
+            f"[{k}/{len(todo)}] {point['group']} ({point['mode']}) {settings}: test error "
+            f"{result['test_error']:.3f}, ⟨σ⟩ {result['staleness_mean']:.2f}, {time.monotonic() - started:.1f} s"
+        )
     if report:
         from .report import write_report
 

@@ -1,4 +1,5 @@
 """One-command local run: a server in this process and λ learner processes beside it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,20 @@ from ..server import ParameterServer
 
 def learner_command(cfg: TrainConfig, url: str, index: int, steps: int | None) -> list[str]:
     options = replace(cfg.learner, steps=steps)
-    return [sys.executable, "-m", "rudra_async", "learner", "--connect", url, "--index", str(index),
-            "--name", f"learner-{index}", "--json", *to_args(options)]
+    return [
+        sys.executable,
+        "-m",
+        "rudra_async",
+        "learner",
+        "--connect",
+        url,
+        "--index",
+        str(index),
+        "--name",
+        f"learner-{index}",
+        "--json",
+        *to_args(options),
+    ]
 
 
 async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -35,12 +48,18 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     started = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.learner.threads), "MKL_NUM_THREADS": str(cfg.learner.threads)}
     async with contextlib.AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(ParameterServer(
-            cfg.server_config(cfg.listen_url(), len(dataset.y_train), Shard(i, cfg.shards)))) for i in range(cfg.shards)]
+        servers = [
+            await stack.enter_async_context(
+                ParameterServer(cfg.server_config(cfg.listen_url(), len(dataset.y_train), Shard(i, cfg.shards)))
+            )
+            for i in range(cfg.shards)
+        ]
         server = servers[0]  # progress, statistics and timing come from shard 0
         url = ",".join(s.addresses[0] for s in servers)
         procs = [
-            await asyncio.create_subprocess_exec(*learner_command(cfg, url, i, steps), stdout=asyncio.subprocess.PIPE, env=env)
+            await asyncio.create_subprocess_exec(
+                *learner_command(cfg, url, i, steps), stdout=asyncio.subprocess.PIPE, env=env
+            )
             for i in range(cfg.learners)
         ]
         ticker = asyncio.create_task(_report_progress(server, started, progress)) if progress else None
@@ -59,17 +78,28 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         failed = [i for i, p in enumerate(procs) if p.returncode != 0]
         if len(failed) == len(procs):
             raise RudraError(f"every learner failed (exit codes {[p.returncode for p in procs]})")
-        summaries = [json.loads(out.decode().strip().splitlines()[-1]) for (out, _), p in zip(outputs, procs) if p.returncode == 0]
+        summaries = [
+            json.loads(out.decode().strip().splitlines()[-1])
+            for (out, _), p in zip(outputs, procs)
+            if p.returncode == 0
+        ]
         train_s = (server.core.last_update_at or started) - (server.core.first_update_at or started)
         weights = np.concatenate([s.core.store.weights for s in servers])  # type: ignore[union-attr]
         results = summarize(cfg, server, dataset, weights)
-    return {**results, "mode": "processes", "wall_s": wall, "train_s": train_s,
-            "samples_per_s": server.core.samples / train_s if train_s > 0 else 0.0,
-            "learners_failed": failed, "learner_summaries": summaries}
+    return {
+        **results,
+        "mode": "processes",
+        "wall_s": wall,
+        "train_s": train_s,
+        "samples_per_s": server.core.samples / train_s if train_s > 0 else 0.0,
+        "learners_failed": failed,
+        "learner_summaries": summaries,
+    }
 
 
-def summarize(cfg: TrainConfig, server: ParameterServer, dataset: Any,
-              weights: np.ndarray | None = None) -> dict[str, Any]:
+def summarize(
+    cfg: TrainConfig, server: ParameterServer, dataset: Any, weights: np.ndarray | None = None
+) -> dict[str, Any]:
     """The results of a finished run: configuration, final test accuracy, statistics.
     ``weights``: the whole model's (default: the server's; a shard group's, joined)."""
     from ..learner.training import FlatModel, build_model, evaluate

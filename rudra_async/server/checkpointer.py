@@ -1,4 +1,5 @@
 """When a server writes its checkpoints: every N updates, one at a time, and at close."""
+
 from __future__ import annotations
 
 import asyncio

@@ -9,6 +9,7 @@ stable code; it never awaits, reads a socket or a file. The asyncio shell
 :meth:`ServerCore.snapshot` and :meth:`ServerCore.restore` are the whole state a
 checkpoint keeps.
 """
+
 from __future__ import annotations
 
 import logging
@@ -107,16 +108,23 @@ class ServerCore:
     listening transport sends them by reference. ``on_change()`` is called after every event
     that may release a waiting request; ``on_update(clock)`` after events that applied updates."""
 
-    def __init__(self, config: ServerConfig, *, initial: dict[str, np.ndarray] | None = None,
-                 shared_memory: SharedMemory | None = None, on_change: Callable[[], None] = lambda: None,
-                 on_update: Callable[[int], None] = lambda clock: None,
-                 now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        initial: dict[str, np.ndarray] | None = None,
+        shared_memory: SharedMemory | None = None,
+        on_change: Callable[[], None] = lambda: None,
+        on_update: Callable[[int], None] = lambda clock: None,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         cfg = self.config = config.validate()
         self.kernel = kernels.resolve(cfg.kernel, cfg.device)
         self.protocol = make_protocol(cfg)
         self.lr_policy = make_lr_policy(cfg)
-        self.schedule = Schedule(cfg.lr, cfg.lr_decay_at, cfg.lr_decay, cfg.lr_decay_unit, cfg.warmup,
-                                 cfg.lr_scale_ref_batch)
+        self.schedule = Schedule(
+            cfg.lr, cfg.lr_decay_at, cfg.lr_decay, cfg.lr_decay_unit, cfg.warmup, cfg.lr_scale_ref_batch
+        )
         self.shard: Shard = cfg.shard
         self.layout: Layout | None = None  # the whole model's; the store holds this server's shard of it
         self.store: WeightStore | None = None
@@ -162,9 +170,16 @@ class ServerCore:
         """The WELCOME metadata for a learner that just registered."""
         store, layout = self._need_store(), self.layout
         assert layout is not None
-        return {"learner_id": learner.learner_id, "layout": layout.to_wire(), "shard": self.shard.to_wire(),
-                "range": list(self.shard.range(layout.size)), **self.protocol.describe(), "clock": store.clock,
-                "server": f"rudra-async {__version__}", "pid": os.getpid()}
+        return {
+            "learner_id": learner.learner_id,
+            "layout": layout.to_wire(),
+            "shard": self.shard.to_wire(),
+            "range": list(self.shard.range(layout.size)),
+            **self.protocol.describe(),
+            "clock": store.clock,
+            "server": f"rudra-async {__version__}",
+            "pid": os.getpid(),
+        }
 
     def stats(self) -> dict[str, Any]:
         """Statistics for reports and embedding apps (plain JSON-able values)."""
@@ -179,8 +194,15 @@ class ServerCore:
             "samples": self.samples,
             "update_seconds": self.update_seconds,
             **self.staleness.summary(),
-            "learners": {str(i): {"name": info.name, "gradients": info.applied, "dropped": info.dropped,
-                                  "connected": info.connected} for i, info in self.learners.items()},
+            "learners": {
+                str(i): {
+                    "name": info.name,
+                    "gradients": info.applied,
+                    "dropped": info.dropped,
+                    "connected": info.connected,
+                }
+                for i, info in self.learners.items()
+            },
             "rejected": dict(self.rejected),
             "loss_curve": loss_curve(self.losses),
         }
@@ -204,8 +226,9 @@ class ServerCore:
         layout = Layout.from_wire(meta.get("layout"))
         shard = Shard.from_wire(meta.get("shard"))
         if shard != self.shard:
-            raise RequestError(f"this server is shard {self.shard}; the learner asked for shard {shard}",
-                               code="shard_mismatch")
+            raise RequestError(
+                f"this server is shard {self.shard}; the learner asked for shard {shard}", code="shard_mismatch"
+            )
         if self.store is None:
             self._initialize(layout, arrays, peer)
         elif self.layout is None or layout.to_wire() != self.layout.to_wire():
@@ -242,8 +265,9 @@ class ServerCore:
         specs = frame.specs
         if len(specs) != 1 or specs[0].shape != (store.layout.size,):
             shapes = [list(s.shape) for s in specs]
-            raise RequestError(f"gradient must be one segment of shape [{store.layout.size}], got {shapes}",
-                               code="bad_shape")
+            raise RequestError(
+                f"gradient must be one segment of shape [{store.layout.size}], got {shapes}", code="bad_shape"
+            )
         if specs[0].dtype not in (np.float32, np.float16):
             raise RequestError(f"gradient dtype must be <f4 or <f2, got {specs[0].dtype.str}", code="bad_dtype")
         grad = frame.arrays[0]
@@ -269,12 +293,20 @@ class ServerCore:
         store, layout = self._need_store(), self.layout
         assert layout is not None
         cfg = self.config
-        info = {"server": f"rudra-async {__version__}", "protocol": self.protocol.describe(), "kernel": self.kernel,
-                "lr": cfg.lr, "lr_policy": cfg.lr_policy, "momentum": cfg.momentum,
-                "weight_decay": cfg.weight_decay, "nesterov": cfg.nesterov}
+        info = {
+            "server": f"rudra-async {__version__}",
+            "protocol": self.protocol.describe(),
+            "kernel": self.kernel,
+            "lr": cfg.lr,
+            "lr_policy": cfg.lr_policy,
+            "momentum": cfg.momentum,
+            "weight_decay": cfg.weight_decay,
+            "nesterov": cfg.nesterov,
+        }
         state = {"staleness": self.staleness.to_dict(), "lr_policy": self.lr_policy.state()}
-        return Checkpoint(layout, clock, weights, store.updater.momentum, self.samples, info, shard=self.shard,
-                          state=state)
+        return Checkpoint(
+            layout, clock, weights, store.updater.momentum, self.samples, info, shard=self.shard, state=state
+        )
 
     def restore(self, ckpt: Checkpoint, source: str = "checkpoint") -> None:
         """Continue from a snapshot (before any learner joined): weights, momentum, clock (the
@@ -313,8 +345,11 @@ class ServerCore:
         except ConfigError as exc:
             raise RequestError(str(exc), code="bad_layout") from None
         if len(arrays) != 1 or arrays[0].dtype != np.float32 or arrays[0].size != hi - lo:
-            raise RequestError("the server has no weights yet: the first hello must carry the initial weights "
-                               f"(of shard {self.shard}) as one float32 segment of {hi - lo} values", code="no_weights")
+            raise RequestError(
+                "the server has no weights yet: the first hello must carry the initial weights "
+                f"(of shard {self.shard}) as one float32 segment of {hi - lo} values",
+                code="no_weights",
+            )
         self._create_store(layout, arrays[0].reshape(-1))
         log.info("weights initialized by %s: %d parameters in %d tensors", peer, layout.size, len(layout.tensors))
 
@@ -322,8 +357,13 @@ class ServerCore:
         """Hold this server's shard of a model with the given (whole) layout."""
         shared = self._shared_memory
         self.layout = layout
-        self.store = WeightStore(self.shard.layout(layout), shard_weights, self.kernel,
-                                 shared.allocate if shared else None, shared.free if shared else None)
+        self.store = WeightStore(
+            self.shard.layout(layout),
+            shard_weights,
+            self.kernel,
+            shared.allocate if shared else None,
+            shared.free if shared else None,
+        )
         return self.store
 
     def _decide(self, decision: Decision) -> None:

@@ -10,6 +10,7 @@ Embed it::
 Every request gets exactly one reply. Bad input is answered with an ERROR frame carrying a
 stable code; it never changes the weights and never affects other connections.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,8 +49,13 @@ class ParameterServer:
         cfg = self.config = (config or ServerConfig()).validate()
         self.limits = Limits(max_body=cfg.max_frame)
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_every, self.checkpoint)
-        self.core = ServerCore(cfg, initial=initial, shared_memory=shared_memory_of(cfg.listen),
-                               on_change=self._notify, on_update=self.checkpointer.after_update)
+        self.core = ServerCore(
+            cfg,
+            initial=initial,
+            shared_memory=shared_memory_of(cfg.listen),
+            on_change=self._notify,
+            on_update=self.checkpointer.after_update,
+        )
         if cfg.resume is not None:
             self.core.restore(checkpoint.load(cfg.resume), cfg.resume)
             self.checkpointer.on_disk(cfg.resume, self.core.clock, written=False)

@@ -10,6 +10,7 @@ Each state accepts a fixed set of message types; every request gets exactly one 
 ERROR with a stable code for anything refused). A handshake step such as authentication
 is one more state in front of AWAITING_HELLO.
 """
+
 from __future__ import annotations
 
 import enum
@@ -99,8 +100,12 @@ class Session:
         if frame.meta.get("pull"):
             await self._send_weights(frame.meta, newer_than=-1)
         else:
-            ack = {"timestamp": self.core.clock, "status": pending.outcome, "staleness": pending.staleness,
-                   "stop": self.core.stopped}
+            ack = {
+                "timestamp": self.core.clock,
+                "status": pending.outcome,
+                "staleness": pending.staleness,
+                "stop": self.core.stopped,
+            }
             await self._reply(MsgType.ACK, ack, frame.meta)
 
     async def _pull(self, frame: Frame) -> None:
@@ -114,16 +119,18 @@ class Session:
     async def _send_weights(self, request: dict[str, Any], newer_than: int) -> None:
         """WEIGHTS once the protocol lets this learner have newer weights than ``newer_than``."""
         learner, core = self._learner(), self.core
-        await self.server.wait_until(lambda: core.pull_ready(learner.learner_id, newer_than), self.conn,
-                                     learner.learner_id)
+        await self.server.wait_until(
+            lambda: core.pull_ready(learner.learner_id, newer_than), self.conn, learner.learner_id
+        )
         store = core.store
         assert store is not None, "READY implies weights"
         with store.lease() as (clock, weights):
             await self._reply(MsgType.WEIGHTS, {"timestamp": clock, "stop": core.stopped}, request, [weights])
         core.pulled(learner, clock)
 
-    async def _reply(self, msg_type: MsgType, meta: dict[str, Any], request: dict[str, Any],
-                     arrays: Sequence[np.ndarray] = ()) -> None:
+    async def _reply(
+        self, msg_type: MsgType, meta: dict[str, Any], request: dict[str, Any], arrays: Sequence[np.ndarray] = ()
+    ) -> None:
         if "seq" in request:
             meta["seq"] = request["seq"]
         await self.conn.send(msg_type, meta, arrays)

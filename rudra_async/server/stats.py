@@ -1,4 +1,5 @@
 """Run statistics: the staleness histogram and per-learner gradient counts."""
+
 from __future__ import annotations
 
 from collections import Counter

@@ -5,6 +5,7 @@ update writes in place when nobody holds a lease, otherwise into a spare buffer 
 then published, so a reader never sees a half-applied update and no copy is made on the
 common path.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,14 @@ from ..layout import Layout
 class WeightStore:
     """``kernel`` names the update backend (see :func:`rudra_async.kernels.resolve`)."""
 
-    def __init__(self, layout: Layout, initial: np.ndarray, kernel: str = "numpy",
-                 allocate: Callable[[int], np.ndarray] | None = None,
-                 free: Callable[[np.ndarray], None] | None = None) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        initial: np.ndarray,
+        kernel: str = "numpy",
+        allocate: Callable[[int], np.ndarray] | None = None,
+        free: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
         """``allocate(nbytes)``/``free(buffer)`` provide the published buffers (e.g. shared
         memory a transport can send without copying); plain memory by default."""
         if initial.size != layout.size:

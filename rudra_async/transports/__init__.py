@@ -4,6 +4,7 @@ A transport is a :class:`~rudra_async.transports.base.Transport` instance; see
 :mod:`rudra_async.transports.base` for the contract. Third-party transports register
 under the entry-point group ``rudra_async.transports`` with the URL scheme as the name.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,8 +24,7 @@ BUILTIN = {
 }
 ENTRY_POINT_GROUP = "rudra_async.transports"
 
-__all__ = ["Transport", "Connection", "Listener", "SharedMemory", "connect", "listen", "transport_for",
-           "known_schemes"]
+__all__ = ["Transport", "Connection", "Listener", "SharedMemory", "connect", "listen", "transport_for", "known_schemes"]
 
 
 def known_schemes() -> list[str]:
@@ -43,8 +43,10 @@ def transport_for(url: str) -> Transport:
     if found is None:
         raise ConfigError(f"no transport for scheme {scheme!r} in {url!r}; known: {', '.join(known_schemes())}")
     if not isinstance(found, Transport):
-        raise ConfigError(f"the transport registered for {scheme!r} is not a rudra_async.transports.base.Transport "
-                          f"instance (got {type(found).__name__}); register an instance, e.g. 'my_package:transport'")
+        raise ConfigError(
+            f"the transport registered for {scheme!r} is not a rudra_async.transports.base.Transport "
+            f"instance (got {type(found).__name__}); register an instance, e.g. 'my_package:transport'"
+        )
     return found
 
 

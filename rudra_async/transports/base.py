@@ -66,6 +66,7 @@ process can reach it) and :meth:`Transport.shared_memory` (memory it sends by re
 
 :func:`rudra_async.testing.check_transport` checks all of this against a live transport.
 """
+
 from __future__ import annotations
 
 import abc

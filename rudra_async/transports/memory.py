@@ -4,6 +4,7 @@ Frames really go through the wire format (encoded, then parsed by a FrameReader 
 the receiver's allocator), so it exercises the same code paths as a socket, minus the
 kernel. For tests and for in-process simulations; ``memory://`` picks a fresh name.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -15,6 +15,7 @@ attach is unregistered from its resource tracker. If the owner is killed, Python
 resource tracker process unlinks its segments; if the peer is killed, the owner unlinks
 them when the connection closes. Nothing is left in /dev/shm either way.
 """
+
 from __future__ import annotations
 
 import _posixshmem
@@ -180,8 +181,13 @@ class ShmConnection(StreamConnection):
             offset = rest[0] if rest else 0
             if isinstance(nbytes, int) and nbytes > self.limits.max_body:
                 return FrameTooLarge(f"body of {nbytes} bytes exceeds the limit of {self.limits.max_body}")
-            if not (isinstance(name, str) and isinstance(nbytes, int) and nbytes > 0
-                    and isinstance(offset, int) and offset >= 0):
+            if not (
+                isinstance(name, str)
+                and isinstance(nbytes, int)
+                and nbytes > 0
+                and isinstance(offset, int)
+                and offset >= 0
+            ):
                 raise MalformedFrame(f"bad shared-memory reference {ref!r}")
             meta["seg"] = specs
             parsed = parse_segments(meta, nbytes)
@@ -290,8 +296,9 @@ class ShmTransport(Transport):
             return loop.create_unix_server(factory, sock=sock)
 
         peer = f"shm://{name}#peer"
-        listener = await start_listener(serve, url, on_connection,
-                                        lambda on_made: ShmConnection(limits, peer=peer, on_made=on_made))
+        listener = await start_listener(
+            serve, url, on_connection, lambda on_made: ShmConnection(limits, peer=peer, on_made=on_made)
+        )
         listener.address = f"shm://{name}"
         return listener
 

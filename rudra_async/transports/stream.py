@@ -5,6 +5,7 @@ intermediate copy); outgoing frames go out with ``writelines`` over views of the
 arrays. The write-buffer high-water mark is 0, so ``send`` knows exactly when the OS has
 taken every byte and the arrays may change again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -141,8 +142,12 @@ async def open_stream(opener: Awaitable[tuple[Any, StreamConnection]], url: str,
 ServerOpener = Callable[[Callable[[], StreamConnection]], Awaitable[asyncio.AbstractServer]]
 
 
-async def start_listener(server_opener: ServerOpener, url: str, on_connection: OnConnection,
-                         new_connection: Callable[[OnMade], StreamConnection]) -> StreamListener:
+async def start_listener(
+    server_opener: ServerOpener,
+    url: str,
+    on_connection: OnConnection,
+    new_connection: Callable[[OnMade], StreamConnection],
+) -> StreamListener:
     """Start a server with ``server_opener(factory)``, where the factory makes each accepted
     connection with ``new_connection(on_made)``; map bind failures to ConnectError."""
     listener = StreamListener(on_connection)

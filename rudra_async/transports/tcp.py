@@ -1,4 +1,5 @@
 """TCP transport (``tcp://host:port``): frames over a TCP stream, see :mod:`.stream`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,12 @@ class TcpTransport(Transport):
         """Listen on a ``tcp://host:port`` URL (port 0 picks one). Fails at once if it cannot bind."""
         host, port = parse_url(url)
         loop = asyncio.get_running_loop()
-        listener = await start_listener(lambda factory: loop.create_server(factory, host, port), url, on_connection,
-                                        lambda on_made: StreamConnection(limits, on_made=on_made))
+        listener = await start_listener(
+            lambda factory: loop.create_server(factory, host, port),
+            url,
+            on_connection,
+            lambda on_made: StreamConnection(limits, on_made=on_made),
+        )
         sockname = listener._server.sockets[0].getsockname()  # type: ignore[union-attr]
         listener.address = format_host_port("tcp", sockname[0], sockname[1])
         return listener

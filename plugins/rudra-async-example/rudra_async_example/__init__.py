@@ -7,6 +7,7 @@
 
 Both are found through the entry points declared in this distribution's pyproject.toml.
 """
+
 from __future__ import annotations
 
 from rudra_async.errors import ConfigError

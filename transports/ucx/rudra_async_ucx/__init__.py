@@ -13,6 +13,7 @@ The progress mode is ``blocking`` by default (the worker's event fd is watched b
 event loop: no busy polling, good for hosts shared with learners); set
 ``RUDRA_ASYNC_UCX_PROGRESS=polling`` or ``thread`` to change it before first use.
 """
+
 from __future__ import annotations
 
 import asyncio
