@@ -21,11 +21,11 @@ import tempfile
 import time
 
 import numpy as np
+from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from rudra_async import ParameterServer, ServerConfig
 from rudra_async import checkpoint as ckpt
 from rudra_async.layout import Layout
-from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
 
 def raw_write(path: str, arrays: list[np.ndarray]) -> None:
@@ -62,7 +62,7 @@ async def while_checkpointing(ps: ParameterServer, job) -> float:
 
     async def drive() -> None:
         nonlocal figure
-        async for figure in figures:
+        async for figure in figures:  # noqa: B007 (the last one is read after the loop)
             if done.is_set():
                 break
 

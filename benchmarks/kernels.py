@@ -17,9 +17,9 @@ import argparse
 
 import numpy as np
 import torch
+from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from rudra_async.kernels import cupy_device_available, make_updater
-from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
 
 def cpu(reps: int) -> None:

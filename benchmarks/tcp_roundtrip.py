@@ -168,7 +168,7 @@ def main() -> None:
     args = ap.parse_args()
 
     big = measure(int(args.mb * 1e6 / 4), args.reps)
-    gbps = lambda s: big["bytes_per_rt"] / s / 1e9  # noqa: E731
+    gbps = lambda s: big["bytes_per_rt"] / s / 1e9
     transport = big["rudra"] - big["update"]
     print(
         f"push+pull of a {args.mb:g} MB gradient ({big['bytes_per_rt'] / 1e6:.0f} MB moved per round trip), median of {args.reps}"

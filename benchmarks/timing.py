@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def median_time(fn: Callable[[], object], reps: int, warmup: bool = True) -> float:

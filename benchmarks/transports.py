@@ -26,10 +26,10 @@ import numpy as np
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tcp_roundtrip import raw_round_trips, _serve_raw  # noqa: E402  (same-run raw socket baseline)
+from tcp_roundtrip import _serve_raw, raw_round_trips
 
-from rudra_async import transports  # noqa: E402
-from rudra_async.wire import MsgType  # noqa: E402
+from rudra_async import transports
+from rudra_async.wire import MsgType
 
 SIZES = [1_000_000, 16_000_000, 100_000_000]
 SMALL = 256
@@ -156,7 +156,7 @@ def main() -> None:
     for scheme in args.only.split(","):
         for n in SIZES:
             base, ours = measure(scheme, n, args.reps)
-            gb = lambda t: 2 * n / t / 1e9  # noqa: E731
+            gb = lambda t: 2 * n / t / 1e9
             print(
                 f"  {scheme:3} {n / 1e6:5.0f} MB: {baseline_name[scheme]:17} {gb(base):6.2f} GB/s   "
                 f"{scheme} {gb(ours):6.2f} GB/s   ratio {base / ours:4.2f}x"

@@ -1,11 +1,17 @@
-"""rudra-async: an asyncio parameter server for distributed deep-learning training."""
+"""rudra-async: an asyncio parameter server for distributed deep-learning training.
+
+The public surface is listed in ``docs/api.md``: this package's names below, and the
+modules ``wire``, ``errors``, ``layout``, ``sync``, ``lr``, ``transports``, ``kernels``,
+``client``, ``config``, ``checkpoint`` and ``testing``. Everything else is internal.
+Importing ``rudra_async`` loads only the error classes; the rest loads on first use.
+"""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import Any
 
-from .config import ServerConfig  # noqa: E402
-from .errors import (  # noqa: E402
+from .errors import (
     CheckpointError,
     ConfigError,
     ConnectError,
@@ -18,7 +24,9 @@ from .errors import (  # noqa: E402
     WireError,
 )
 
-__all__ = [
+__version__ = "0.1.0"
+
+__all__ = [  # noqa: RUF022 (grouped: the entry points, then the errors)
     "__version__",
     "ServerConfig",
     "ParameterServer",
@@ -37,14 +45,16 @@ __all__ = [
     "CheckpointError",
 ]
 
+#: lazily imported names -> the module that defines them
+_LAZY = {
+    "ServerConfig": ".config",
+    "ParameterServer": ".server",
+    "Client": ".client",
+    "SyncClient": ".client",
+}
 
-def __getattr__(name: str):  # lazy, so `import rudra_async` stays light
-    if name == "ParameterServer":
-        from .server import ParameterServer
 
-        return ParameterServer
-    if name in ("Client", "SyncClient"):
-        from . import client
-
-        return getattr(client, name)
-    raise AttributeError(name)
+def __getattr__(name: str) -> Any:  # lazy, so `import rudra_async` stays light
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'rudra_async' has no attribute {name!r}")

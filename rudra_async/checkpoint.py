@@ -69,7 +69,7 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         "layout": ckpt.layout.to_wire(),
         "shard": ckpt.shard.to_wire(),
         "samples": int(ckpt.samples),
-        "crc32": [zlib.crc32(a.view(np.uint8)) for a in arrays],
+        "crc32": [zlib.crc32(a.data) for a in arrays],
         "saved_at": time.time(),
         "state": ckpt.state,
         "info": ckpt.info,
@@ -131,14 +131,19 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
         raise CheckpointError(f"{path} must hold two float32 segments of {hi - lo} values")
     arrays = [np.empty(hi - lo, np.float32) for _ in specs]
     for a, crc in zip(arrays, _list(meta, "crc32", 2)):
-        _read_exactly(f, memoryview(a.view(np.uint8)))
-        if zlib.crc32(a.view(np.uint8)) != crc:
+        _read_exactly(f, a.data.cast("B"))
+        if zlib.crc32(a.data) != crc:
             raise CheckpointError(f"{path} is corrupt: a segment fails its CRC-32 check")
     clock, samples = _int(meta, "clock"), _int(meta, "samples")
-    info, state = (meta.get(k) if isinstance(meta.get(k), dict) else {} for k in ("info", "state"))
+    info, state = (_map(meta, k) for k in ("info", "state"))
     saved_at = meta.get("saved_at", 0.0)
     saved_at = float(saved_at) if isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool) else 0.0
     return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, saved_at, shard, state)
+
+
+def _map(meta: dict[str, Any], key: str) -> dict[str, Any]:
+    value = meta.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def _int(meta: dict[str, Any], key: str) -> int:

@@ -13,14 +13,15 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, Tuple, Union
+from typing import Any, Union
 
 import numpy as np
 
 from . import transports
 from .errors import RemoteError, RudraError, TransportError
-from .eventloop import new_runner
+from .eventloop import PrivateLoop
 from .layout import Layout, Shard
 from .transports.base import Connection
 from .wire import Frame, Limits, MsgType
@@ -28,7 +29,22 @@ from .wire import Frame, Limits, MsgType
 log = logging.getLogger(__name__)
 
 
-Stamp = Union[int, Tuple[int, ...]]  # a server clock; one per shard for a sharded group
+Stamp = Union[int, tuple[int, ...]]  # noqa: UP007 (a runtime alias: X | Y needs Python 3.10 types)  # a server clock; one per shard for a sharded group
+
+
+def scalar(stamp: Stamp) -> int:
+    """One server's clock: an int, or a one-element tuple (a group of one shard)."""
+    if isinstance(stamp, int):
+        return stamp
+    if len(stamp) == 1:
+        return stamp[0]
+    raise ValueError(f"one server has one clock, got {stamp!r}")
+
+
+def went_back(new: Stamp, old: Stamp) -> bool:
+    """True when a server's clock (any shard's) is behind what it was: the server restarted."""
+    pairs = zip((new,) if isinstance(new, int) else new, (old,) if isinstance(old, int) else old)
+    return any(a < b for a, b in pairs)
 
 
 @dataclass
@@ -76,7 +92,7 @@ class Client:
         timeout: float = 10.0,
         limits: Limits = Limits(),
         shard: Shard | None = None,
-    ) -> "Client":
+    ) -> Client:
         """Connect and register. ``initial`` (flat float32) seeds the server if it has no weights.
         For one shard of a sharded group, pass ``shard`` and only that shard's part of ``initial``."""
         conn = await transports.connect(url, limits=limits, timeout=timeout)
@@ -96,10 +112,10 @@ class Client:
 
     def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> memoryview | None:
         if msg_type == MsgType.WEIGHTS and nbytes == self.weights.nbytes:
-            return memoryview(self.weights).cast("B")
+            return self.weights.data.cast("B")
         return None
 
-    async def _request(self, msg_type: MsgType, meta: dict[str, Any], arrays=()) -> Frame:
+    async def _request(self, msg_type: MsgType, meta: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> Frame:
         meta["seq"] = seq = self._seq
         self._seq += 1
         await self.conn.send(msg_type, meta, arrays)
@@ -120,12 +136,12 @@ class Client:
         frame.release()
         return Weights(self.clock, self.weights, bool(frame.meta.get("stop")))
 
-    async def pull(self, newer_than: int = -1) -> Weights:
+    async def pull(self, newer_than: Stamp = -1) -> Weights:
         """The newest weights; with ``newer_than``, wait until the clock passes it."""
-        return self._weights(await self._request(MsgType.PULL, {"newer_than": newer_than}))
+        return self._weights(await self._request(MsgType.PULL, {"newer_than": scalar(newer_than)}))
 
     async def push(
-        self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0, loss: float | None = None
+        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Ack:
         """Push a gradient computed on weights stamped ``timestamp`` over ``samples`` examples
         (``loss``, the mini-batch's training loss, feeds the server's loss curve)."""
@@ -136,15 +152,21 @@ class Client:
         return Ack(m["timestamp"], m["status"], m.get("staleness"), bool(m.get("stop")))
 
     async def push_pull(
-        self, grad: np.ndarray, timestamp: int, step: int = 0, samples: int = 0, loss: float | None = None
+        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Weights:
         """Push a gradient and get the weights the protocol lets this learner have next, in one
         round trip (for hardsync: the weights after this round's update)."""
         meta = self._push_meta(timestamp, step, samples, True, loss)
         return self._weights(await self._request(MsgType.PUSH, meta, [grad]))
 
-    def _push_meta(self, timestamp: int, step: int, samples: int, pull: bool, loss: float | None) -> dict[str, Any]:
-        meta = {"learner_id": self.learner_id, "timestamp": timestamp, "step": step, "samples": samples, "pull": pull}
+    def _push_meta(self, timestamp: Stamp, step: int, samples: int, pull: bool, loss: float | None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "learner_id": self.learner_id,
+            "timestamp": scalar(timestamp),
+            "step": step,
+            "samples": samples,
+            "pull": pull,
+        }
         if loss is not None:
             meta["loss"] = float(loss)
         return meta
@@ -183,7 +205,7 @@ class ShardedClient:
     @classmethod
     async def connect(
         cls, urls: Sequence[str], layout: Layout, initial: np.ndarray | None = None, **kwargs: Any
-    ) -> "ShardedClient":
+    ) -> ShardedClient:
         """Connect to ``urls[i]`` as shard i of ``len(urls)``."""
         shards = [Shard(i, len(urls)) for i in range(len(urls))]
         ranges = [s.range(layout.size) for s in shards]
@@ -231,7 +253,7 @@ class ShardedClient:
         return stamps
 
     def _combine(self, parts: Sequence[Weights]) -> Weights:
-        return Weights(tuple(int(w.timestamp) for w in parts), self._weights, any(w.stop for w in parts))
+        return Weights(tuple(scalar(w.timestamp) for w in parts), self._weights, any(w.stop for w in parts))
 
     async def pull(self, newer_than: Stamp = -1) -> Weights:
         return self._combine(await _all(c.pull(n) for c, n in zip(self.clients, self._per_shard(newer_than))))
@@ -255,7 +277,7 @@ class ShardedClient:
         status = "applied" if statuses == {"applied"} else "dropped" if "dropped" in statuses else "pending"
         staleness = [a.staleness for a in acks if a.staleness is not None]
         return Ack(
-            tuple(int(a.timestamp) for a in acks),
+            tuple(scalar(a.timestamp) for a in acks),
             status,
             max(staleness) if staleness else None,
             any(a.stop for a in acks),
@@ -293,7 +315,7 @@ class SyncClient:
     several shards) with its own event loop (uvloop when available)."""
 
     def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
-        self._runner = new_runner()
+        self._runner = PrivateLoop()
         kept = None if initial is None else np.array(initial, np.float32, copy=True)  # for a restarted server
         self._connect_args = (url, layout, kept, kwargs)
         try:
@@ -365,7 +387,7 @@ class SyncClient:
         finally:
             self._runner.close()
 
-    def __enter__(self) -> "SyncClient":
+    def __enter__(self) -> SyncClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

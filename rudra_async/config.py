@@ -267,4 +267,4 @@ class LaunchConfig:
     learner: LearnerOptions = section(LearnerOptions)
 
     #: settings of the nested configurations that a launch decides itself (per rank)
-    SET_BY_RUN: ClassVar[tuple[str, ...]] = ServerConfig.PER_SERVER + ("samples_per_epoch",)
+    SET_BY_RUN: ClassVar[tuple[str, ...]] = (*ServerConfig.PER_SERVER, "samples_per_epoch")

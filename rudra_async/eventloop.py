@@ -1,26 +1,67 @@
-"""Event-loop selection: uvloop when it imports, the standard loop otherwise."""
+"""Event-loop selection: uvloop when it imports, the standard loop otherwise.
+
+Works on every Python the project supports (3.10+): no ``asyncio.Runner`` (3.11) and no
+``loop_factory`` argument of ``asyncio.run`` (3.12).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A fresh uvloop loop if uvloop is installed, else a standard one."""
     try:
         import uvloop
     except ImportError:
-        return None
-    return uvloop.new_event_loop
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
 
 
-def new_runner() -> asyncio.Runner:
-    return asyncio.Runner(loop_factory=loop_factory())
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop when available: a new loop, closed when ``main`` returns."""
+    loop = new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            _cancel_all(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
 
 
-def run(main: Awaitable[T]) -> T:
-    """``asyncio.run`` on uvloop when available."""
-    with new_runner() as runner:
-        return runner.run(main)  # type: ignore[arg-type]
+class PrivateLoop:
+    """An event loop owned by blocking code (e.g. a training loop): :meth:`run` drives it
+    until one coroutine is done. Cheap per call: no task repr, no signal handlers."""
+
+    def __init__(self) -> None:
+        self.loop = new_event_loop()
+
+    def run(self, main: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(main)
+
+    def close(self) -> None:
+        """Cancel what is left on the loop and close it. Idempotent."""
+        if not self.loop.is_closed():
+            try:
+                _cancel_all(self.loop)
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the loop's remaining tasks and let them finish (as ``asyncio.run`` does)."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))

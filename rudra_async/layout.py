@@ -9,8 +9,9 @@ boundaries, so shards stay balanced whatever the model's largest tensor.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from .errors import ConfigError, RequestError
 
@@ -36,7 +37,7 @@ class Layout:
     shard: int = 0
 
     @classmethod
-    def from_shapes(cls, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> "Layout":
+    def from_shapes(cls, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> Layout:
         tensors, off = [], 0
         for name, shape in named_shapes:
             t = Tensor(str(name), tuple(int(d) for d in shape), off)
@@ -56,7 +57,7 @@ class Layout:
         return [[t.name, list(t.shape)] for t in self.tensors]
 
     @classmethod
-    def from_wire(cls, raw: Any) -> "Layout":
+    def from_wire(cls, raw: Any) -> Layout:
         """Parse ``[[name, shape], ...]``; raises :class:`RequestError` (``bad_layout``)."""
         if not isinstance(raw, list) or not raw:
             raise RequestError("layout must be a non-empty list of [name, shape]", code="bad_layout")
@@ -90,9 +91,9 @@ class Shard:
         return f"{self.index}/{self.count}"
 
     @classmethod
-    def parse(cls, text: str) -> "Shard":
+    def parse(cls, text: str) -> Shard:
         """``"I/N"``, e.g. ``"0/4"``."""
-        index, sep, count = text.partition("/")
+        index, _, count = text.partition("/")
         try:
             return cls(int(index), int(count))
         except ValueError:
@@ -102,7 +103,7 @@ class Shard:
         return [self.index, self.count]
 
     @classmethod
-    def from_wire(cls, raw: Any) -> "Shard":
+    def from_wire(cls, raw: Any) -> Shard:
         """``[index, count]``, or None for the whole model; raises :class:`RequestError`."""
         if raw is None:
             return cls()

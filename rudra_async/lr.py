@@ -9,8 +9,9 @@ the per-gradient factor from its staleness σ.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from .errors import ConfigError
 

@@ -22,7 +22,8 @@ import json
 import math
 import types
 import typing
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from .errors import ConfigError
 
@@ -89,7 +90,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True  # noqa: UP007
     return tp, False
 
 
@@ -263,7 +264,7 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
         meta = f.metadata
         if not meta.get("cli", True):
             continue
-        inner, optional = _unwrap_optional(tp)
+        inner, _ = _unwrap_optional(tp)
         flag = meta.get("flag") or "--" + name.replace("_", "-")
         names = [flag, *([meta["short"]] if meta.get("short") else [])]
         default = f.default if f.default is not _MISSING else None
@@ -277,9 +278,7 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
         elif origin is list:
             kwargs.update(
                 multiple=True,
-                default=tuple(f.default_factory())
-                if f.default_factory is not _MISSING  # type: ignore[misc]
-                else None,
+                default=tuple(f.default_factory()) if f.default_factory is not _MISSING else None,
                 show_default=True,
             )
         elif origin is dict:
@@ -290,7 +289,7 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
                 callback=lambda ctx, param, v: _click_parse(_key_value, v),
             )
         elif parse is not None:
-            shown = f.default_factory() if f.default_factory is not _MISSING else default  # type: ignore[misc]
+            shown = f.default_factory() if f.default_factory is not _MISSING else default
             kwargs.update(
                 default=None
                 if shown in (None, ())
@@ -304,7 +303,7 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
             if meta.get("choices"):
                 click_type = click.Choice(meta["choices"])
             kwargs.update(type=click_type, default=default)
-            if f.default is _MISSING and f.default_factory is _MISSING:  # type: ignore[misc]
+            if f.default is _MISSING and f.default_factory is _MISSING:
                 kwargs["required"] = True
         if meta.get("metavar"):
             kwargs["metavar"] = meta["metavar"]

@@ -10,8 +10,9 @@ be a class (or factory) producing a :class:`~rudra_async.sync.SyncProtocol` or
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 from .errors import ConfigError
 
@@ -59,13 +60,15 @@ def load_entry_point(group: str, name: str, kind: str) -> Any | None:
 def resolve(kind: str, name: str) -> Callable[..., Any]:
     """The class registered as ``name`` for ``kind`` ('protocol' or 'lr policy')."""
     group, table = GROUPS[kind]
+    found: Callable[..., Any] | None = None
     if name in table:
-        return _import(table[name], kind, name)
-    plugin = load_entry_point(group, name, kind)
-    if plugin is not None:
-        return plugin
-    if ":" in name:
-        return _import(name, kind, name)
+        found = _import(table[name], kind, name)
+    else:
+        found = load_entry_point(group, name, kind)
+        if found is None and ":" in name:
+            found = _import(name, kind, name)
+    if found is not None:
+        return found
     raise ConfigError(f"unknown {kind} {name!r}; known: {', '.join(known(kind))} (or module:attr)")
 
 

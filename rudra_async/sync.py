@@ -15,8 +15,9 @@ changes, so a learner leaving (or crashing) never deadlocks a round.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import ConfigError
 

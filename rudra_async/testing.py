@@ -22,7 +22,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
@@ -36,10 +37,10 @@ MiB = 1 << 20
 CLOG_LIMIT = 256 * MiB
 #: how long a ``send`` to a clogged receiver may take before it counts as waiting
 CLOG_WAIT_S = 0.5
-CHECKS: list[Callable[["_Suite"], Awaitable[None]]] = []
+CHECKS: list[Callable[[_Suite], Awaitable[None]]] = []
 
 
-def _check(fn: Callable[["_Suite"], Awaitable[None]]) -> Callable[["_Suite"], Awaitable[None]]:
+def _check(fn: Callable[[_Suite], Awaitable[None]]) -> Callable[[_Suite], Awaitable[None]]:
     CHECKS.append(fn)
     return fn
 

@@ -19,8 +19,9 @@ import bisect
 import enum
 import itertools
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np

@@ -15,7 +15,7 @@ from rudra_async.client import connect
 from rudra_async.config import ServerConfig
 from rudra_async.layout import Layout
 from rudra_async.server import ParameterServer
-from rudra_async.wire import FrameReader, Frame
+from rudra_async.wire import Frame, FrameReader
 
 LOOPBACK = "tcp://127.0.0.1:0"
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from helpers import initial_weights, read_frame, run_server, small_layout
 
 from rudra_async.client import Client
 from rudra_async.wire import HEADER, MAGIC, MsgType, encode_frame
-
-from helpers import initial_weights, read_frame, run_server, small_layout
 
 LAYOUT = small_layout()
 

@@ -11,13 +11,6 @@ import time
 
 import numpy as np
 import pytest
-
-from rudra_async import CheckpointError, ConfigError, ParameterServer, ServerConfig
-from rudra_async import checkpoint as ckpt
-from rudra_async.server.checkpointer import Checkpointer
-from rudra_async.client import Client
-from rudra_async.wire import MsgType, encode_frame
-
 from helpers import (
     CLI_ARGS,
     free_port,
@@ -32,6 +25,12 @@ from helpers import (
     start_server,
     subprocess_env,
 )
+
+from rudra_async import CheckpointError, ConfigError, ParameterServer, ServerConfig
+from rudra_async import checkpoint as ckpt
+from rudra_async.client import Client
+from rudra_async.server.checkpointer import Checkpointer
+from rudra_async.wire import MsgType, encode_frame
 
 SGD = dict(protocol="async", lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
 
@@ -110,7 +109,7 @@ def test_damaged_files_are_refused_with_the_reason(tmp_path, how, message):
 
 
 def test_other_files_are_refused(tmp_path):
-    with pytest.raises(CheckpointError, match="cannot read checkpoint .*No such file"):
+    with pytest.raises(CheckpointError, match=r"cannot read checkpoint .*No such file"):
         ckpt.load(tmp_path / "missing.ckpt")
     frame = tmp_path / "frame.bin"
     frame.write_bytes(b"".join(bytes(b) for b in encode_frame(MsgType.PUSH, {"timestamp": 0})))

@@ -6,7 +6,6 @@ import socket
 import time
 
 import pytest
-
 from helpers import free_port, last_json, reap, run_cli, start_cli, start_server
 
 

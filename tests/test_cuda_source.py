@@ -15,10 +15,9 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers import random_batches, sgd_reference
 
 from rudra_async.kernels.cuda_source import KERNEL_SOURCES, kernel_name
-
-from helpers import random_batches, sgd_reference
 
 SHIM = r"""
 #include <cstdint>

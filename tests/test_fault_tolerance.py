@@ -5,11 +5,10 @@ import signal
 
 import numpy as np
 import pytest
+from helpers import CLI_ARGS, run_server, subprocess_env
 
 from rudra_async.client import Client
 from rudra_async.layout import Layout
-
-from helpers import CLI_ARGS, run_server, subprocess_env
 
 PROTOCOLS = [
     ("async", {}),
@@ -52,17 +51,17 @@ async def test_sigkill_of_a_learner_mid_run_lets_the_others_finish(protocol, opt
                     assert asyncio.get_running_loop().time() < deadline, f"timed out at clock {ps.clock}: {state}"
                     await asyncio.sleep(0.01)
 
-            await until(lambda: sum(l.connected for l in ps.core.learners.values()) == 3 and ps.clock >= 20)
+            await until(lambda: sum(info.connected for info in ps.core.learners.values()) == 3 and ps.clock >= 20)
             victim = procs[0]
             victim.send_signal(signal.SIGKILL)
             at_kill = ps.clock
             ps.stop_at(at_kill + 100)  # the run ends 100 updates after the crash
             await asyncio.wait_for(victim.wait(), 10)
             results = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs[1:])), 120)
-            for p, (out, err) in zip(procs[1:], results):
+            for p, (_, err) in zip(procs[1:], results):
                 assert p.returncode == 0, err.decode()[-2000:]
             assert ps.clock == at_kill + 100  # the run went on without the dead learner
-            assert sum(not l.connected for l in ps.core.learners.values()) == 3  # all gone, the dead one noticed
+            assert sum(not info.connected for info in ps.core.learners.values()) == 3  # all gone, the dead one noticed
         finally:
             for p in procs:
                 if p.returncode is None:

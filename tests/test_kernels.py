@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
+from helpers import random_batches, sgd_reference
 
 from rudra_async import ConfigError
 from rudra_async.kernels import Updater, cupy_device_available, make_updater, resolve
 from rudra_async.kernels.numpy_kernel import BLOCK, apply
-
-from helpers import random_batches, sgd_reference
 
 gpu = pytest.mark.skipif(not cupy_device_available(), reason="needs CuPy with a CUDA device")
 BACKENDS = ["numpy", "torch", pytest.param("cupy", marks=[pytest.mark.gpu, gpu])]

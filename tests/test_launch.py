@@ -4,13 +4,11 @@ import json
 import os
 
 import pytest
+from helpers import free_port, last_json, reap, run_cli, start_cli
 
 from rudra_async import ConfigError
-from rudra_async.config import LaunchConfig
+from rudra_async.config import LaunchConfig, ServerConfig
 from rudra_async.runs.launch import rank_from_env, resolve
-from rudra_async.config import ServerConfig
-
-from helpers import free_port, last_json, reap, run_cli, start_cli
 
 
 @pytest.mark.parametrize(
@@ -82,9 +80,9 @@ def test_a_slurm_job_of_two_shard_servers_and_two_learners_trains_and_ends(tmp_p
     servers, learners = results[:2], results[2:]
     assert [r["role"] for r in results] == ["server", "server", "learner", "learner"]
     assert [s["shard"] for s in servers] == ["0/2", "1/2"] and all(s["updates"] == 200 for s in servers)
-    assert sorted(l["index"] for l in learners) == [0, 1]
-    assert 198 <= sum(l["steps"] for l in learners) <= 200  # a push racing the stop may count on one shard only
-    assert all(l["test_accuracy"] > 0.5 for l in learners)
+    assert sorted(r["index"] for r in learners) == [0, 1]
+    assert 198 <= sum(r["steps"] for r in learners) <= 200  # a push racing the stop may count on one shard only
+    assert all(r["test_accuracy"] > 0.5 for r in learners)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0", "ckpt-1"]  # addresses unpublished, checkpoints written
     run = run_cli("evaluate", str(tmp_path / "ckpt-0"), str(tmp_path / "ckpt-1"), "--json")
     assert run.returncode == 0 and json.loads(run.stdout)["clocks"] == [200, 200], run.stderr

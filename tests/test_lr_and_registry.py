@@ -2,15 +2,13 @@
 
 import numpy as np
 import pytest
+from helpers import run_server
 
-from rudra_async import ConfigError
-from rudra_async import registry
+from rudra_async import ConfigError, registry
 from rudra_async.config import ServerConfig
 from rudra_async.lr import Constant, MeanStaleness, Schedule, Staleness, StalenessPlusOne
 from rudra_async.server.core import make_lr_policy, make_protocol
 from rudra_async.sync import Softsync, SyncProtocol
-
-from helpers import run_server
 
 
 def test_per_gradient_policies():
@@ -60,13 +58,13 @@ def test_bad_schedules(kwargs):
 def test_registry_names_and_errors():
     assert set(registry.known("protocol")) >= {"async", "softsync", "hardsync", "bounded", "backup"}
     assert registry.resolve("protocol", "rudra_async.sync:Softsync") is Softsync  # module:attr
-    with pytest.raises(ConfigError, match="known: .*hardsync"):
+    with pytest.raises(ConfigError, match=r"known: .*hardsync"):
         registry.resolve("protocol", "warp-speed")
-    with pytest.raises(ConfigError, match="known: .*staleness"):
+    with pytest.raises(ConfigError, match=r"known: .*staleness"):
         registry.resolve("lr policy", "warp-speed")
     with pytest.raises(ConfigError, match="cannot load"):
         registry.resolve("protocol", "no_such_module:Thing")
-    with pytest.raises(ConfigError, match="is not a rudra_async.sync.SyncProtocol"):
+    with pytest.raises(ConfigError, match=r"is not a rudra_async\.sync\.SyncProtocol"):
         make_protocol(ServerConfig(protocol="rudra_async.lr:Constant"))
     with pytest.raises(ConfigError, match="rejected its options"):
         make_protocol(ServerConfig(protocol="async", protocol_options={"bogus": 1}))

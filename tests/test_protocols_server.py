@@ -5,12 +5,11 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from helpers import run_server
 from torch import nn
 
 from rudra_async.client import Client
 from rudra_async.learner.training import FlatModel
-
-from helpers import run_server
 
 LAM, MU, STEPS = 4, 8, 20
 
@@ -57,16 +56,16 @@ async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(pro
     options = {"n": 1} if protocol == "softsync" else {}
     async with run_server(protocol=protocol, lr=0.1, momentum=0.9, weight_decay=0.01, **options) as ps:
         learners = [await TorchLearner.connect(ps.addresses[0]) for _ in range(LAM)]
-        ws = [await l.client.pull() for l in learners]
+        ws = [await learner.client.pull() for learner in learners]
         for step in range(STEPS):
             lo = step * LAM * MU
             shards = [(x[lo + k * MU : lo + (k + 1) * MU], y[lo + k * MU : lo + (k + 1) * MU]) for k in range(LAM)]
             if protocol == "hardsync":
-                ws = await asyncio.gather(*(l.step(w, *s) for l, w, s in zip(learners, ws, shards)))
+                ws = await asyncio.gather(*(learner.step(w, *s) for learner, w, s in zip(learners, ws, shards)))
             else:  # no barrier: push in turn on the same weights, then everyone pulls the update
-                for l, w, s in zip(learners, ws, shards):
-                    await l.step(w, *s)
-                ws = [await l.client.pull() for l in learners]
+                for learner, w, s in zip(learners, ws, shards):
+                    await learner.step(w, *s)
+                ws = [await learner.client.pull() for learner in learners]
             opt.zero_grad(set_to_none=False)
             ref_flat.zero_grad()
             nn.functional.cross_entropy(ref(x[lo : lo + LAM * MU]), y[lo : lo + LAM * MU]).backward()
@@ -75,8 +74,8 @@ async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(pro
             for w in ws:
                 np.testing.assert_allclose(w.array, ref_flat.weights.numpy(), rtol=1e-5, atol=1e-6)
         assert ps.stats()["staleness_max"] == 0
-        for l in learners:
-            await l.client.close()
+        for learner in learners:
+            await learner.client.close()
 
 
 async def test_async_with_one_learner_equals_torch_sgd_on_mu():

@@ -5,15 +5,14 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from helpers import LOOPBACK, initial_weights, run_server, small_layout
 
 from rudra_async import RemoteError
 from rudra_async.client import Client
+from rudra_async.config import ServerConfig
 from rudra_async.layout import Layout
 from rudra_async.server import ParameterServer
-from rudra_async.config import ServerConfig
 from rudra_async.server.store import WeightStore
-
-from helpers import LOOPBACK, initial_weights, run_server, small_layout
 
 
 async def test_async_with_one_learner_equals_torch_sgd():

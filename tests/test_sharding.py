@@ -3,17 +3,12 @@ pushes and pulls every part at once. A group must compute what one server does."
 
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 
 import numpy as np
 import pytest
-
-from rudra_async import ConfigError, ParameterServer, ServerConfig
-from rudra_async.client import Client, ShardedClient, connect
-from rudra_async.errors import RemoteError
-from rudra_async.layout import Layout, Shard
-
 from helpers import (
     free_port,
     initial_weights,
@@ -29,6 +24,11 @@ from helpers import (
     start_server,
 )
 
+from rudra_async import ConfigError, ParameterServer, ServerConfig
+from rudra_async.client import Client, ShardedClient, connect
+from rudra_async.errors import RemoteError
+from rudra_async.layout import Layout, Shard
+
 SGD = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
 
 
@@ -36,7 +36,7 @@ SGD = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
 def test_shard_ranges_cover_the_buffer_in_balanced_contiguous_parts(size, count):
     ranges = [Shard(i, count).range(size) for i in range(count)]
     assert ranges[0][0] == 0 and ranges[-1][1] == size
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     lengths = [hi - lo for lo, hi in ranges]
     assert max(lengths) - min(lengths) <= 1
 
@@ -107,7 +107,7 @@ async def test_a_learner_must_address_the_right_shard():
 
 
 async def test_a_model_smaller_than_the_group_is_refused_with_a_reason():
-    async with run_group(3, protocol="async") as (servers, url):
+    async with run_group(3, protocol="async") as (_, url):
         tiny = Layout.from_shapes([("w", (2,))])
         with pytest.raises(ConfigError, match="cannot split 2 parameters into 3 shards"):  # caught by the client
             await ShardedClient.connect(url.split(","), tiny, np.zeros(2, np.float32))

@@ -8,14 +8,13 @@ import subprocess
 import time
 
 import numpy as np
+from helpers import CLI_ARGS, reap, run_cli, run_server, subprocess_env
 
 from rudra_async import transports
 from rudra_async.client import Client
 from rudra_async.layout import Layout
 from rudra_async.transports import shm
 from rudra_async.wire import MsgType
-
-from helpers import CLI_ARGS, reap, run_cli, run_server, subprocess_env
 
 
 def shm_files() -> set[str]:
@@ -90,7 +89,7 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
     before = shm_files()
     name = f"crash-{os.getpid()}"
     env = subprocess_env()
-    log = open(tmp_path / "log.txt", "w")
+    log = open(tmp_path / "log.txt", "w")  # noqa: SIM115 (the children write to it until the test ends)
     server = subprocess.Popen([*CLI_ARGS, "server", "--listen", f"shm://{name}"], stderr=log, env=env)
     learners = []
     try:

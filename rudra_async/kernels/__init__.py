@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -64,11 +64,12 @@ class HostUpdater(Updater):
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
-        self._v = np.zeros(size, np.float32)
+        self._v: np.ndarray = np.zeros(size, np.float32)
 
     @property
     def momentum(self) -> np.ndarray:
-        return self._v.copy()
+        snapshot: np.ndarray = self._v.copy()
+        return snapshot
 
     def load_momentum(self, v: np.ndarray) -> None:
         check_momentum(v, self.size)

@@ -15,6 +15,8 @@ the source needs no CUDA headers: CuPy's wheels compile it with NVRTC alone).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 _TEMPLATE = r"""
@@ -53,13 +55,13 @@ extern "C" __global__ void sgd_fold_%(name)s(
 """
 
 #: gradient dtype -> (kernel name suffix, CUDA element type, element load expression)
-VARIANTS = {
+VARIANTS: dict[np.dtype[Any], tuple[str, str, str]] = {
     np.dtype(np.float32): ("f32", "float", "g[i]"),
     np.dtype(np.float16): ("f16", "unsigned short", "rudra_h2f(g[i])"),  # raw float16 bits
 }
 
 
-def kernel_name(dtype: np.dtype) -> str:
+def kernel_name(dtype: np.dtype[Any]) -> str:
     return f"sgd_fold_{VARIANTS[np.dtype(dtype)][0]}"
 
 

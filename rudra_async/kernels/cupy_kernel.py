@@ -13,6 +13,9 @@ Only imported when :func:`rudra_async.kernels.resolve` saw ``cupy.is_available()
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import cupy as cp
 import numpy as np
 
@@ -43,7 +46,17 @@ class CupyUpdater(Updater):
             self._pinned.append(np.frombuffer(mem, np.float32, self.size))
             self._streams.append(cp.cuda.Stream(non_blocking=True))
 
-    def apply(self, w, w_out, grads, scales, lr, momentum=0.0, weight_decay=0.0, nesterov=False) -> None:
+    def apply(
+        self,
+        w: np.ndarray,
+        w_out: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
         check_batch(grads, scales, self.size)
         dtype = grads[0].dtype
         if any(g.dtype != dtype for g in grads):
@@ -65,7 +78,16 @@ class CupyUpdater(Updater):
         self._w.get(out=w_out)
         self._synced_with = w_out.ctypes.data
 
-    def fold(self, c: int, dtype: np.dtype, scales, lr, momentum, weight_decay, nesterov) -> None:
+    def fold(
+        self,
+        c: int,
+        dtype: np.dtype[Any],
+        scales: Sequence[float],
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        nesterov: bool,
+    ) -> None:
         """The device-only part: one kernel over the first ``c`` device gradient buffers."""
         if c not in self._pointers:
             self._pointers[c] = cp.asarray(np.array([g.data.ptr for g in self._grads[:c]], np.uint64))
@@ -89,7 +111,8 @@ class CupyUpdater(Updater):
 
     @property
     def momentum(self) -> np.ndarray:
-        return cp.asnumpy(self._v)
+        host: np.ndarray = cp.asnumpy(self._v)
+        return host
 
     def load_momentum(self, v: np.ndarray) -> None:
         check_momentum(v, self.size)

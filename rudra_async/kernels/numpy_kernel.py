@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -54,5 +54,15 @@ def apply(
 
 
 class NumpyUpdater(HostUpdater):
-    def apply(self, w, w_out, grads, scales, lr, momentum=0.0, weight_decay=0.0, nesterov=False) -> None:
+    def apply(
+        self,
+        w: np.ndarray,
+        w_out: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
         apply(w, w_out, self._v, grads, scales, lr, momentum, weight_decay, nesterov)

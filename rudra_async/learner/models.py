@@ -6,7 +6,8 @@ A factory takes ``(n_features, n_classes)`` and returns a ``torch.nn.Module``.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -59,7 +60,8 @@ def resolve(name: str) -> Callable[..., Any]:
     if ":" in name:
         module, _, attr = name.partition(":")
         try:
-            return getattr(importlib.import_module(module), attr)
+            factory: Callable[..., Any] = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"cannot load model factory {name!r}: {exc}") from None
+        return factory
     raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}, or module:function")

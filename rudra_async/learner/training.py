@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import data as datasets
-from . import models
-from ..client import SyncClient
+from ..client import SyncClient, went_back
 from ..config import LearnerConfig
 from ..errors import ConfigError, RemoteError, TransportError
 from ..layout import Layout
+from . import data as datasets
+from . import models
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class FlatModel:
         """Leave the mean cross-entropy gradient of the mini-batch (x, y) in ``grads``; return the loss."""
         self.zero_grad()
         loss = nn.functional.cross_entropy(self.module(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         return loss.item()
 
     def load(self, flat: np.ndarray) -> None:
@@ -109,7 +110,8 @@ def evaluate_checkpoint(paths: Sequence[str], model: str = "mlp", dataset: str =
 
 def build_model(model: str, dataset: datasets.Dataset, seed: int) -> nn.Module:
     torch.manual_seed(seed)  # every learner builds identical initial weights
-    return models.resolve(model)(dataset.n_features, dataset.n_classes)
+    module: nn.Module = models.resolve(model)(dataset.n_features, dataset.n_classes)
+    return module
 
 
 def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
@@ -143,7 +145,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                 last = w.timestamp
                 w = client.reconnect(opts.reconnect)  # this gradient is lost with the connection
                 reconnects += 1
-                if w.timestamp < last:
+                if went_back(w.timestamp, last):
                     log.warning(
                         "the server's clock went back from %s to %s: it restarted without its checkpoint",
                         last,
@@ -152,7 +154,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                 continue
             steps += 1
         learner_id = client.learner_id
-    accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
+    accuracy, _ = evaluate(model, data.x_test, data.y_test)
     return {
         "learner_id": learner_id,
         "steps": steps,

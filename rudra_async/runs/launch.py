@@ -16,8 +16,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 from ..config import LaunchConfig, LearnerConfig
 from ..errors import ConfigError, RudraError

@@ -15,9 +15,11 @@ from runs in ``processes`` mode.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import platform
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,7 @@ def _frac_at_most(hist: dict[int, int], bound: float) -> float:
     return sum(c for s, c in hist.items() if s <= bound) / n if n else float("nan")
 
 
-def _by(runs: list[dict[str, Any]], key) -> dict[Any, list[dict[str, Any]]]:
+def _by(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, list[dict[str, Any]]]:
     out: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         out[key(r)].append(r)
@@ -83,7 +85,7 @@ class _Report:
         self.add(*("| " + " | ".join(fmt(v) for v in row) + " |" for row in rows))
         self.add("")
 
-    def figure(self, name: str, draw) -> None:
+    def figure(self, name: str, draw: Callable[[Any], None]) -> None:
         fig, ax = self.plt.subplots(figsize=(6, 3.6), dpi=110)
         draw(ax)
         ax.grid(alpha=0.3)
@@ -112,7 +114,7 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
     rep.add(f"Criterion: 0.5 ≤ ⟨σ⟩/n ≤ 1.5 and P(σ ≤ 2n) ≥ 0.95 for every n. Verdict: {_verdict(ok)}.", "")
     rep.table(["n", "λ", "⟨σ⟩", "⟨σ⟩/n", "max σ", "P(σ ≤ 2n)"], rows)
 
-    def draw(ax):
+    def draw(ax: Any) -> None:
         for n, rs in by_n.items():
             h = _hist(rs)
             xs = np.arange(max(h) + 1)
@@ -165,7 +167,7 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         [[n, const.get(n, float("nan")), stale.get(n, float("nan"))] + ([hard_err] if hard else []) for n in ns],
     )
 
-    def draw_err(ax):
+    def draw_err(ax: Any) -> None:
         for name, errs in (("fixed α0", const), ("α0/σ", stale)):
             if errs:
                 ax.plot(list(errs), list(errs.values()), marker="o", label=name)
@@ -211,7 +213,7 @@ def _batch_section(rep: _Report, hard: list[dict[str, Any]], soft: list[dict[str
     if soft_pts:
         rep.table(["μ", "n", "μ⟨σ⟩ (softsync)", "test error"], [[p[2], p[3], p[0], p[1]] for p in soft_pts])
 
-    def draw(ax):
+    def draw(ax: Any) -> None:
         if hard_pts:
             ax.plot(list(hard_pts), list(hard_pts.values()), marker="o", label="hardsync: x = μλ")
         if soft_pts:
@@ -252,8 +254,7 @@ def _runtime_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         faster = bool(common) and all(rates["async"][lam] > rates["hardsync"][lam] for lam in common)
     growing = None
     if "async" in rates and len(rates["async"]) >= 2:
-        ls = sorted(rates["async"])
-        growing = all(rates["async"][b] > rates["async"][a] for a, b in zip(ls, ls[1:]))
+        growing = all(rates["async"][b] > rates["async"][a] for a, b in itertools.pairwise(sorted(rates["async"])))
     rep.add(
         f"Measured with real learner processes on this machine ({os.cpu_count()} cores), training time only "
         "(from the first to the last update). Criterion: async processes more samples per second than "
@@ -263,7 +264,7 @@ def _runtime_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
     )
     rep.table(header, rows)
 
-    def draw(ax):
+    def draw(ax: Any) -> None:
         for p in sorted(rates):
             ax.plot(list(rates[p]), list(rates[p].values()), marker="o", label=p)
         ax.set_xlabel("learners λ (processes)")

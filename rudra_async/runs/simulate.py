@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from ..client import Client
+from ..config import TrainConfig
 from ..errors import RemoteError, RudraError
 from ..server import ParameterServer
-from ..config import TrainConfig
 from .train import summarize
 
 #: scheduling points a released learner may take before the scheduler calls it stuck

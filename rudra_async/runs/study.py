@@ -29,8 +29,9 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import TrainConfig
 from ..errors import ConfigError
@@ -49,7 +50,8 @@ def _load_toml(path: Path) -> dict[str, Any]:
         import tomli as tomllib
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            spec: dict[str, Any] = tomllib.load(fh)
+            return spec
     except FileNotFoundError:
         raise ConfigError(f"no study spec at {path}") from None
     except tomllib.TOMLDecodeError as exc:

@@ -8,8 +8,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -140,7 +141,7 @@ async def _report_progress(server: ParameterServer, started: float, progress: Ca
     while True:
         await asyncio.sleep(1.0)
         clock = server.clock
-        live = sum(1 for l in server.core.learners.values() if l.connected)
+        live = sum(1 for info in server.core.learners.values() if info.connected)
         progress(
             f"[{time.monotonic() - started:6.1f}s] updates {clock:6d} ({clock - last:5d}/s)  "
             f"mean staleness {server.core.staleness.mean:5.2f}  learners {live}"

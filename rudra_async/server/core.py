@@ -16,8 +16,9 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 

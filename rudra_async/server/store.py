@@ -9,7 +9,7 @@ common path.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class WeightStore:
         self._allocate = allocate or (lambda nbytes: np.empty(nbytes, np.uint8))
         self._free = free
         self._buffers: list[np.ndarray] = []
-        self._current = self._new_buffer()
+        self._current: np.ndarray = self._new_buffer()
         self._current[:] = np.asarray(initial, np.float32).reshape(-1)
         self.updater: Updater = make_updater(kernel, layout.size)
         self._leases: dict[int, int] = {}  # id(buffer) -> readers
@@ -46,7 +46,7 @@ class WeightStore:
     @property
     def weights(self) -> np.ndarray:
         """The published weights (read-only view; valid until the next update)."""
-        view = self._current.view()
+        view: np.ndarray = self._current.view()
         view.flags.writeable = False
         return view
 

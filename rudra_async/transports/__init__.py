@@ -24,7 +24,7 @@ BUILTIN = {
 }
 ENTRY_POINT_GROUP = "rudra_async.transports"
 
-__all__ = ["Transport", "Connection", "Listener", "SharedMemory", "connect", "listen", "transport_for", "known_schemes"]
+__all__ = ["Connection", "Listener", "SharedMemory", "Transport", "connect", "known_schemes", "listen", "transport_for"]
 
 
 def known_schemes() -> list[str]:

@@ -74,7 +74,8 @@ import asyncio
 import collections
 import logging
 import sys
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -233,7 +234,7 @@ class Connection(abc.ABC):
             await self._room.wait()
         return self._taking
 
-    def _on_consumed(self) -> None:
+    def _on_consumed(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
         """Hook: ``recv`` took a frame out of the inbox (e.g. resume reading). Default: nothing."""
 
     def _take(self) -> Frame:
@@ -286,11 +287,11 @@ class Transport(abc.ABC):
     in_process: bool = False
 
     @abc.abstractmethod
-    async def connect(self, url: str, *, limits: Limits, timeout: float) -> "Connection":
+    async def connect(self, url: str, *, limits: Limits, timeout: float) -> Connection:
         """Connect to ``url``; ConnectError at once if refused, or after ``timeout`` seconds."""
 
     @abc.abstractmethod
-    async def listen(self, url: str, on_connection: "OnConnection", *, limits: Limits) -> "Listener":
+    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits) -> Listener:
         """Listen on ``url``; ConnectError at once if it cannot (e.g. the address is in use)."""
 
     def shared_memory(self) -> SharedMemory | None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -18,7 +19,7 @@ from ..errors import ConfigError, ConnectError, PeerGone
 from ..wire import FrameReader, Limits, encode_frame
 from .base import Connection, OnConnection, ServingListener, Transport
 
-_listeners: dict[str, "MemoryListener"] = {}
+_listeners: dict[str, MemoryListener] = {}
 _names = itertools.count()
 
 

@@ -22,12 +22,13 @@ import _posixshmem
 import asyncio
 import atexit
 import itertools
+import mmap
 import os
 import secrets
 import socket
-import mmap
+from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -57,7 +58,8 @@ class _Exported(SharedMemory):
     def allocate(self, nbytes: int) -> np.ndarray:
         seg = _Segment(max(nbytes, 1))
         self.segments[seg.shm.name] = seg
-        return seg.array[:nbytes]
+        view: np.ndarray = seg.array[:nbytes]
+        return view
 
     def locate(self, array: np.ndarray) -> tuple[str, int] | None:
         """(segment name, byte offset) if ``array`` lies inside an exported segment."""
@@ -109,7 +111,7 @@ class _Segment:
         self.array = np.ndarray((size,), np.uint8, buffer=self.shm.buf)
 
     def destroy(self) -> None:
-        self.array = None  # type: ignore[assignment]
+        del self.array  # views the segment's buffer: must go before close
         try:
             self.shm.close()
         except BufferError:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any, Awaitable, Callable, Sequence, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from ..errors import ConnectError, PeerGone
 from ..wire import FrameReader, Limits, encode_frame
 from .base import Connection, OnConnection, ServingListener, format_host_port
-
 
 LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
 

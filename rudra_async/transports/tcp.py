@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+
 from ..wire import Limits
 from .base import OnConnection, Transport, format_host_port, parse_host_port
 from .stream import StreamConnection, StreamListener, open_stream, start_listener

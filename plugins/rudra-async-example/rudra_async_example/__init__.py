@@ -10,6 +10,8 @@ Both are found through the entry points declared in this distribution's pyprojec
 
 from __future__ import annotations
 
+from typing import Any
+
 from rudra_async.errors import ConfigError
 from rudra_async.lr import LRPolicy
 from rudra_async.sync import Softsync
@@ -18,7 +20,7 @@ from rudra_async.sync import Softsync
 class FixedBatch(Softsync):
     name = "fixed-batch"
 
-    def __init__(self, c: int = 2, **kwargs) -> None:
+    def __init__(self, c: int = 2, **kwargs: Any) -> None:
         super().__init__(n=1, **kwargs)
         if not isinstance(c, int) or c < 1:
             raise ConfigError(f"fixed-batch needs an integer c >= 1, got {c!r}")
@@ -28,7 +30,7 @@ class FixedBatch(Softsync):
     def c(self) -> int:
         return self.fixed_c
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"protocol": self.name, "c": self.fixed_c}
 
 

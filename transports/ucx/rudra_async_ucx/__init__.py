@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
