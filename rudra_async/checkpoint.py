@@ -30,6 +30,14 @@ from .errors import CheckpointError, ConfigError, RudraError
 from .layout import Layout, Shard
 from .wire import HEADER_SIZE, Limits, MsgType, decode_meta, encode_frame, parse_segments, unpack_header
 
+__all__ = [
+    "FORMAT",
+    "Checkpoint",
+    "load",
+    "save",
+    "shard_path",
+]
+
 FORMAT = 1
 _LIMITS = Limits(max_meta=1 << 28, max_body=1 << 62)  # two copies of the model; a long LR-policy window
 

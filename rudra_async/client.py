@@ -26,6 +26,16 @@ from .layout import Layout, Shard
 from .transports.base import Connection
 from .wire import Frame, Limits, MsgType
 
+__all__ = [
+    "Ack",
+    "Client",
+    "ShardedClient",
+    "Stamp",
+    "SyncClient",
+    "Weights",
+    "connect",
+]
+
 log = logging.getLogger(__name__)
 
 

@@ -22,6 +22,15 @@ from .layout import Shard
 from .options import check_ranges, flat_fields, section, setting
 from .wire import DEFAULT_MAX_BODY
 
+__all__ = [
+    "DEFAULT_LISTEN",
+    "LaunchConfig",
+    "LearnerConfig",
+    "LearnerOptions",
+    "ServerConfig",
+    "TrainConfig",
+]
+
 DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
 
 #: built-in protocol -> (its option, the config field holding it)
@@ -212,7 +221,7 @@ class TrainConfig:
     @classmethod
     def settings(cls) -> list[str]:
         """The names a run accepts (``train``'s flags, a study point's keys)."""
-        return list(flat_fields(cls, exclude=cls.SET_BY_RUN))
+        return [name for name, (_, f, _) in flat_fields(cls, exclude=cls.SET_BY_RUN).items() if f.metadata["cli"]]
 
     def validate(self) -> TrainConfig:
         from .transports import transport_for

@@ -7,6 +7,23 @@ the error on both sides.
 
 from __future__ import annotations
 
+__all__ = [
+    "BadMagic",
+    "BadVersion",
+    "CheckpointError",
+    "ConfigError",
+    "ConnectError",
+    "ConnectionClosed",
+    "FrameTooLarge",
+    "MalformedFrame",
+    "PeerGone",
+    "RemoteError",
+    "RequestError",
+    "RudraError",
+    "TransportError",
+    "WireError",
+]
+
 
 class RudraError(Exception):
     """Base of every error raised by rudra-async."""

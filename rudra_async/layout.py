@@ -15,6 +15,12 @@ from typing import Any
 
 from .errors import ConfigError, RequestError
 
+__all__ = [
+    "Layout",
+    "Shard",
+    "Tensor",
+]
+
 
 @dataclass(frozen=True)
 class Tensor:

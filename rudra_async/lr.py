@@ -15,6 +15,15 @@ from typing import Any
 
 from .errors import ConfigError
 
+__all__ = [
+    "Constant",
+    "LRPolicy",
+    "MeanStaleness",
+    "Schedule",
+    "Staleness",
+    "StalenessPlusOne",
+]
+
 
 class LRPolicy:
     """Per-gradient factor from staleness. ``observe`` sees every applied gradient's σ first."""

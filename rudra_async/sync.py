@@ -21,6 +21,17 @@ from typing import Any
 
 from .errors import ConfigError
 
+__all__ = [
+    "Async",
+    "Backup",
+    "Bounded",
+    "Decision",
+    "Gradient",
+    "Hardsync",
+    "Softsync",
+    "SyncProtocol",
+]
+
 
 @dataclass(eq=False)
 class Gradient:

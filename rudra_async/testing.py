@@ -32,6 +32,11 @@ from .errors import ConnectionClosed, FrameTooLarge, PeerGone, RudraError
 from .transports.base import Connection, Transport
 from .wire import Frame, Limits, MsgType
 
+__all__ = [
+    "CHECKS",
+    "check_transport",
+]
+
 MiB = 1 << 20
 #: a transport must make ``send`` wait before a receiver that reads nothing was sent this much
 CLOG_LIMIT = 256 * MiB

@@ -28,6 +28,28 @@ import numpy as np
 
 from .errors import BadMagic, BadVersion, FrameTooLarge, MalformedFrame, WireError
 
+__all__ = [
+    "ALLOWED_DTYPES",
+    "DEFAULT_MAX_BODY",
+    "DEFAULT_MAX_META",
+    "HEADER_SIZE",
+    "MAGIC",
+    "WIRE_VERSION",
+    "Allocator",
+    "Frame",
+    "FrameReader",
+    "Header",
+    "Limits",
+    "MsgType",
+    "SegmentSpec",
+    "decode_meta",
+    "encode_frame",
+    "encode_messages",
+    "parse_segments",
+    "spec_of",
+    "unpack_header",
+]
+
 MAGIC = b"RDRA"
 WIRE_VERSION = 1
 HEADER = struct.Struct("<4sBBHQQ")

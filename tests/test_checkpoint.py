@@ -258,6 +258,7 @@ async def test_a_learner_with_another_model_cannot_join_a_resumed_server(tmp_pat
         assert info.value.code == "layout_mismatch"
 
 
+@pytest.mark.torch
 def test_killed_server_resumes_from_its_checkpoint_and_the_learner_reconnects(tmp_path):
     """Real processes: a learner (--reconnect) trains against a server checkpointing every
     10 updates; the server is SIGKILLed; a new one resumes from the file; the same learner
@@ -296,6 +297,7 @@ def test_killed_server_resumes_from_its_checkpoint_and_the_learner_reconnects(tm
     assert not np.array_equal(final.weights, state.weights)
 
 
+@pytest.mark.torch
 async def test_a_learner_without_reconnect_stops_with_a_clear_error_when_the_server_is_lost():
     async with run_server() as ps:
         learner = await asyncio.create_subprocess_exec(

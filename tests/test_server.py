@@ -4,7 +4,6 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 from helpers import LOOPBACK, initial_weights, run_server, small_layout
 
 from rudra_async import RemoteError
@@ -15,7 +14,10 @@ from rudra_async.server import ParameterServer
 from rudra_async.server.store import WeightStore
 
 
+@pytest.mark.torch
 async def test_async_with_one_learner_equals_torch_sgd():
+    import torch
+
     layout = small_layout()
     w0 = initial_weights(layout)
     p = torch.nn.Parameter(torch.from_numpy(w0.copy()))
@@ -143,7 +145,7 @@ async def test_close_is_idempotent_and_frees_the_port():
         assert again.addresses == [url]
 
 
-@pytest.mark.parametrize("kernel", ["numpy", "torch"])
+@pytest.mark.parametrize("kernel", ["numpy", pytest.param("torch", marks=pytest.mark.torch)])
 async def test_float16_gradients_on_the_wire(kernel):
     layout = small_layout()
     w0 = initial_weights(layout)

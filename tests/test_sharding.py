@@ -75,6 +75,7 @@ async def test_a_sharded_group_computes_what_one_server_does(count):
     np.testing.assert_allclose(sharded, single, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.torch
 async def test_sharded_hardsync_equals_torch_sgd_on_the_combined_gradient():
     layout, learners, steps = small_layout(), 3, 6
     w0 = initial_weights(layout)
@@ -123,6 +124,7 @@ def test_an_embedded_shard_takes_its_part_of_the_initial_weights():
     assert ps.core.layout == Layout.from_shapes([("a", (4,)), ("b", (2, 3))])
 
 
+@pytest.mark.torch
 def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
     """Two `rudra-async server --shard i/2` processes, two learner processes connected to
     both; each shard checkpoints its part; `evaluate` joins the parts."""
@@ -165,6 +167,7 @@ def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
     assert run.returncode == 2 and "holds shard 0/2, but this server is shard 1/2" in run.stderr
 
 
+@pytest.mark.torch
 def test_train_with_a_shard_group_gives_the_accuracy_of_its_joined_checkpoints(tmp_path):
     results, ckpt = tmp_path / "r.json", str(tmp_path / "part-{shard}.ckpt")
     run = run_cli(

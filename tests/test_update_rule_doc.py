@@ -402,7 +402,7 @@ async def replay_on_server(ex: Example, settings: dict, kernel: str, tmp_path: P
     return replies, thetas, checkpoint.load(path).momentum
 
 
-KERNELS = ["numpy", "torch", "cupy"]  # cupy is skipped without a CUDA device
+KERNELS = ["numpy", pytest.param("torch", marks=pytest.mark.torch), "cupy"]  # cupy is skipped without a CUDA device
 
 
 def assert_weights(kernel: str, got: np.ndarray, expected: np.ndarray, what: str) -> None:

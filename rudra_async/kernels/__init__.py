@@ -22,6 +22,16 @@ import numpy as np
 
 from ..errors import ConfigError
 
+__all__ = [
+    "DEVICES",
+    "KERNELS",
+    "HostUpdater",
+    "Updater",
+    "cupy_device_available",
+    "make_updater",
+    "resolve",
+]
+
 KERNELS = ("numpy", "torch", "cupy")
 DEVICES = ("auto", "cpu", "cuda")
 

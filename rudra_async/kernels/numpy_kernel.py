@@ -32,9 +32,9 @@ def apply(
         hi = min(lo + BLOCK, n)
         k = hi - lo
         db, ub, wb = d[:k], u[:k], w[lo:hi]
-        np.multiply(grads[0][lo:hi], np.float32(scales[0]), out=db, casting="unsafe")
+        _scaled(grads[0][lo:hi], scales[0], out=db)
         for g, s in zip(grads[1:], scales[1:]):
-            np.multiply(g[lo:hi], np.float32(s), out=ub, casting="unsafe")
+            _scaled(g[lo:hi], s, out=ub)
             db += ub
         if weight_decay:
             np.multiply(wb, np.float32(weight_decay), out=ub)
@@ -51,6 +51,16 @@ def apply(
                 step = vb
         np.multiply(step, np.float32(-lr), out=ub)
         np.add(wb, ub, out=w_out[lo:hi])
+
+
+def _scaled(g: np.ndarray, scale: float, out: np.ndarray) -> None:
+    """``out = scale · g`` computed in float32: a float16 ``g`` is widened first (NumPy 1.x
+    would otherwise multiply in float16, its value-based casting ignoring the scalar's type)."""
+    if g.dtype == np.float32:
+        np.multiply(g, np.float32(scale), out=out)
+    else:
+        np.copyto(out, g, casting="safe")
+        out *= np.float32(scale)
 
 
 class NumpyUpdater(HostUpdater):
