@@ -1,7 +1,5 @@
 import importlib.util
 
-import pytest
-
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
