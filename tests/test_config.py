@@ -58,7 +58,7 @@ def test_environment_variables_reach_the_same_checks():
 def test_values_are_type_checked_and_unknown_keys_name_the_nearest():
     with pytest.raises(ConfigError, match="lr must be float, got 'fast'"):
         from_flat(ServerConfig, {"lr": "fast"})
-    with pytest.raises(ConfigError, match="n must be int, got 2.5"):
+    with pytest.raises(ConfigError, match=r"n must be int, got 2\.5"):
         from_flat(ServerConfig, {"n": 2.5})
     with pytest.raises(ConfigError, match="unknown setting 'momentun' \\(did you mean 'momentum'\\?\\)"):
         from_flat(ServerConfig, {"momentun": 0.5})
