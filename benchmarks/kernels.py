@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
-from rudra_async.kernels import cupy_device_available, make_updater
+from rudra_async.kernels import SGD, cupy_device_available, make_updater
 
 
 def cpu(reps: int) -> None:
@@ -45,7 +45,7 @@ def cpu(reps: int) -> None:
             line = f"  n={n:>10,} c={c}:  SGD(fused) x{c} {n / base / 1e9:6.2f}"
             for backend in ("numpy", "torch"):
                 up, ww = make_updater(backend, n), w.copy()
-                t = median_time(lambda: up.apply(ww, ww, grads, scales, 1e-4, 0.9, 1e-4), reps)
+                t = median_time(lambda: up.apply(ww, ww, grads, scales, SGD(1e-4, 0.9, 1e-4)), reps)
                 line += f"   {backend} {n / t / 1e9:6.2f} ({base / t:4.2f}x)"
             print(line)
 
@@ -69,7 +69,7 @@ def gpu(reps: int) -> None:
     for c in (1, 8):
         up = make_updater("cupy", n)
         grads = [np.ones(n, np.float32) for _ in range(c)]
-        up.apply(host_w, host_w, grads, [1.0 / c] * c, 1e-4, 0.9, 1e-4)  # load weights, fill slots
+        up.apply(host_w, host_w, grads, [1.0 / c] * c, SGD(1e-4, 0.9, 1e-4))  # load weights, fill slots
 
         def fold():
             up.fold(c, np.float32, [1.0 / c] * c, 1e-4, 0.9, 1e-4, False)
@@ -80,7 +80,9 @@ def gpu(reps: int) -> None:
         print(
             f"  fused kernel c={c}: {t * 1e3:7.3f} ms  {moved / t / 1e9:8.1f} GB/s  = {moved / t / copy_bw:4.2f}x copy"
         )
-        t_full = median_time(lambda: up.apply(host_w, host_w, grads, [1.0 / c] * c, 1e-4, 0.9, 1e-4), max(3, reps // 2))
+        t_full = median_time(
+            lambda: up.apply(host_w, host_w, grads, [1.0 / c] * c, SGD(1e-4, 0.9, 1e-4)), max(3, reps // 2)
+        )
         print(f"  whole update c={c} incl. host<->device copies: {t_full * 1e3:7.1f} ms")
 
 

@@ -31,6 +31,11 @@ def main(log_level: str) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+def _report(result: dict[str, Any], as_json: bool, line: str) -> None:
+    """A command's result: one JSON line with --json, else one line for people."""
+    click.echo(json.dumps(result) if as_json else line)
+
+
 def _config(cls: type, kwargs: dict[str, Any], exclude: tuple[str, ...] = ()) -> Any:
     """A configuration from a command's flags (the same fields the flags were derived from)."""
     return from_flat(cls, kwargs, exclude=exclude, where="command line")
@@ -67,10 +72,10 @@ def learner(as_json: bool, **kwargs: Any) -> None:
         summary = run_learner(cfg)
     except RudraError as exc:
         _fail(exc)
-    click.echo(
-        json.dumps(summary)
-        if as_json
-        else f"learner {summary['learner_id']}: {summary['steps']} steps, test accuracy {summary['test_accuracy']:.4f}"
+    _report(
+        summary,
+        as_json,
+        f"learner {summary['learner_id']}: {summary['steps']} steps, test accuracy {summary['test_accuracy']:.4f}",
     )
 
 
@@ -132,10 +137,8 @@ def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, as_json: bo
         out = evaluate_checkpoint(checkpoints, model, dataset)
     except RudraError as exc:
         _fail(exc)
-    click.echo(
-        json.dumps(out)
-        if as_json
-        else f"update {out['clock']}: test accuracy {out['test_accuracy']:.4f}, loss {out['test_loss']:.4f}"
+    _report(
+        out, as_json, f"update {out['clock']}: test accuracy {out['test_accuracy']:.4f}, loss {out['test_loss']:.4f}"
     )
 
 

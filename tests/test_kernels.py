@@ -5,7 +5,7 @@ import pytest
 from helpers import random_batches, sgd_reference
 
 from rudra_async import ConfigError
-from rudra_async.kernels import Updater, cupy_device_available, make_updater, resolve
+from rudra_async.kernels import SGD, Updater, cupy_device_available, make_updater, resolve
 from rudra_async.kernels.numpy_kernel import BLOCK, apply
 
 gpu = pytest.mark.skipif(not cupy_device_available(), reason="needs CuPy with a CUDA device")
@@ -25,7 +25,7 @@ def test_backend_matches_torch_sgd(backend, momentum, weight_decay, nesterov, c)
         zip(sgd_reference(w0, batches, 0.05, momentum, weight_decay, nesterov), batches)
     ):
         out = w if step % 2 else np.empty_like(w)  # in place and out of place
-        up.apply(w, out, grads, scales, 0.05, momentum, weight_decay, nesterov)
+        up.apply(w, out, grads, scales, SGD(0.05, momentum, weight_decay, nesterov))
         w = out
         np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-5)
 
@@ -39,7 +39,7 @@ def test_float16_gradients_accumulate_in_float32(backend):
     up = make_updater(backend, size)
     w = w0.copy()
     for grads, scales in batches:
-        up.apply(w, w, grads, scales, 0.1, 0.9, 1e-3)
+        up.apply(w, w, grads, scales, SGD(0.1, 0.9, 1e-3))
     np.testing.assert_allclose(w, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -51,7 +51,7 @@ def test_backends_agree_with_each_other():
     for backend in ["numpy", "torch"] + (["cupy"] if cupy_device_available() else []):
         up, w = make_updater(backend, size), w0.copy()
         for grads, scales in batches:
-            up.apply(w, w, grads, scales, 0.02, 0.9, 1e-4, True)
+            up.apply(w, w, grads, scales, SGD(0.02, 0.9, 1e-4, True))
         results[backend] = (w, up.momentum.copy())
     ref_w, ref_v = results.pop("numpy")
     for name, (w, v) in results.items():
@@ -68,16 +68,16 @@ def test_momentum_snapshot_and_load_resume_the_same_run(backend):
     w = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     up = make_updater(backend, size)
     for grads, scales in batches[:6]:
-        up.apply(w, w, grads, scales, 0.05, 0.9, 1e-3, True)
+        up.apply(w, w, grads, scales, SGD(0.05, 0.9, 1e-3, True))
     snapshot, w_saved = up.momentum, w.copy()
-    up.apply(w, w, *batches[6], 0.05, 0.9, 1e-3, True)
+    up.apply(w, w, *batches[6], SGD(0.05, 0.9, 1e-3, True))
     assert not np.array_equal(up.momentum, snapshot), "the snapshot must not follow later updates"
     for grads, scales in batches[7:]:
-        up.apply(w, w, grads, scales, 0.05, 0.9, 1e-3, True)
+        up.apply(w, w, grads, scales, SGD(0.05, 0.9, 1e-3, True))
     resumed = make_updater(backend, size)
     resumed.load_momentum(snapshot)
     for grads, scales in batches[6:]:
-        resumed.apply(w_saved, w_saved, grads, scales, 0.05, 0.9, 1e-3, True)
+        resumed.apply(w_saved, w_saved, grads, scales, SGD(0.05, 0.9, 1e-3, True))
     np.testing.assert_array_equal(w_saved, w)
     np.testing.assert_array_equal(resumed.momentum, up.momentum)
     with pytest.raises(ValueError, match="momentum must be float32"):
@@ -92,10 +92,10 @@ def test_weights_are_read_from_the_buffer_given(backend):
     up, numpy_up = make_updater(backend, size), make_updater("numpy", size)
     w = np.ones(size, np.float32)
     for u in (up, numpy_up):
-        u.apply(w.copy(), np.empty_like(w), g1, s1, 0.1, 0.9)
+        u.apply(w.copy(), np.empty_like(w), g1, s1, SGD(0.1, 0.9))
     other, expected = np.full(size, 5.0, np.float32), np.full(size, 5.0, np.float32)
-    up.apply(other, other, g2, s2, 0.1, 0.9)
-    numpy_up.apply(expected, expected, g2, s2, 0.1, 0.9)
+    up.apply(other, other, g2, s2, SGD(0.1, 0.9))
+    numpy_up.apply(expected, expected, g2, s2, SGD(0.1, 0.9))
     np.testing.assert_allclose(other, expected, rtol=1e-6)
 
 
@@ -104,9 +104,9 @@ def test_kernel_rejects_bad_batches():
     with pytest.raises(ValueError):
         apply(w, w, w.copy(), [w], [1.0, 2.0], 0.1)
     with pytest.raises(ValueError):
-        make_updater("torch", 4).apply(w, w, [np.zeros(5, np.float32)], [1.0], 0.1)
+        make_updater("torch", 4).apply(w, w, [np.zeros(5, np.float32)], [1.0], SGD(0.1))
     with pytest.raises(ValueError):
-        make_updater("numpy", 4).apply(w, w, [np.zeros(4, np.float64)], [1.0], 0.1)
+        make_updater("numpy", 4).apply(w, w, [np.zeros(4, np.float64)], [1.0], SGD(0.1))
 
 
 def test_selection():

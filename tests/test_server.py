@@ -9,6 +9,7 @@ from helpers import LOOPBACK, initial_weights, run_server, small_layout
 from rudra_async import RemoteError
 from rudra_async.client import Client
 from rudra_async.config import ServerConfig
+from rudra_async.kernels import SGD
 from rudra_async.layout import Layout
 from rudra_async.server import ParameterServer
 from rudra_async.server.store import WeightStore
@@ -126,13 +127,13 @@ def test_leased_weights_never_change_under_a_reader():
     g = np.ones(1000, np.float32)
     with store.lease() as (clock, held):
         snapshot = held.copy()
-        store.apply([g], [1.0], 0.1, 0.0, 0.0)
-        store.apply([g], [1.0], 0.1, 0.0, 0.0)
+        store.apply([g], [1.0], SGD(0.1, 0.0, 0.0))
+        store.apply([g], [1.0], SGD(0.1, 0.0, 0.0))
         assert clock == 0 and store.clock == 2
         np.testing.assert_array_equal(held, snapshot)  # the reader's version is intact
         np.testing.assert_allclose(store.weights, -0.2)
     current = store.weights
-    store.apply([g], [1.0], 0.1, 0.0, 0.0)  # no lease: in place, the old buffer is recycled
+    store.apply([g], [1.0], SGD(0.1, 0.0, 0.0))  # no lease: in place, the old buffer is recycled
     assert np.shares_memory(current, store.weights)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import importlib.util
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from ..errors import ConfigError
 __all__ = [
     "DEVICES",
     "KERNELS",
+    "SGD",
     "HostUpdater",
     "Updater",
     "cupy_device_available",
@@ -34,6 +36,16 @@ __all__ = [
 
 KERNELS = ("numpy", "torch", "cupy")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class SGD:
+    """The optimizer settings of one update, as ``torch.optim.SGD`` names them (dampening 0)."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
 
 
 class Updater(abc.ABC):
@@ -48,15 +60,7 @@ class Updater(abc.ABC):
 
     @abc.abstractmethod
     def apply(
-        self,
-        w: np.ndarray,
-        w_out: np.ndarray,
-        grads: Sequence[np.ndarray],
-        scales: Sequence[float],
-        lr: float,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
+        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
     ) -> None: ...
 
     @property

@@ -19,7 +19,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from . import Updater, check_batch, check_momentum
+from . import SGD, Updater, check_batch, check_momentum
 from .cuda_source import KERNEL_SOURCES, kernel_name
 
 _THREADS = 256
@@ -47,15 +47,7 @@ class CupyUpdater(Updater):
             self._streams.append(cp.cuda.Stream(non_blocking=True))
 
     def apply(
-        self,
-        w: np.ndarray,
-        w_out: np.ndarray,
-        grads: Sequence[np.ndarray],
-        scales: Sequence[float],
-        lr: float,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
+        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
     ) -> None:
         check_batch(grads, scales, self.size)
         dtype = grads[0].dtype
@@ -74,7 +66,7 @@ class CupyUpdater(Updater):
             dev.set(staging, stream=self._streams[k])
         for s in self._streams[: len(grads)]:
             s.synchronize()
-        self.fold(len(grads), dtype, scales, lr, momentum, weight_decay, nesterov)
+        self.fold(len(grads), dtype, scales, sgd)
         self._w.get(out=w_out)
         self._synced_with = w_out.ctypes.data
 
@@ -83,10 +75,7 @@ class CupyUpdater(Updater):
         c: int,
         dtype: np.dtype[Any],
         scales: Sequence[float],
-        lr: float,
-        momentum: float,
-        weight_decay: float,
-        nesterov: bool,
+        sgd: SGD,
     ) -> None:
         """The device-only part: one kernel over the first ``c`` device gradient buffers."""
         if c not in self._pointers:
@@ -101,10 +90,10 @@ class CupyUpdater(Updater):
                 self._pointers[c],
                 scale_arr,
                 np.int32(c),
-                np.float32(lr),
-                np.float32(momentum),
-                np.float32(weight_decay),
-                np.int32(bool(nesterov)),
+                np.float32(sgd.lr),
+                np.float32(sgd.momentum),
+                np.float32(sgd.weight_decay),
+                np.int32(bool(sgd.nesterov)),
                 np.int64(self.size),
             ),
         )

@@ -6,24 +6,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import HostUpdater, check_batch
+from . import SGD, HostUpdater, check_batch
 
 BLOCK = 1 << 16
 
 
 def apply(
-    w: np.ndarray,
-    w_out: np.ndarray,
-    v: np.ndarray,
-    grads: Sequence[np.ndarray],
-    scales: Sequence[float],
-    lr: float,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
+    w: np.ndarray, w_out: np.ndarray, v: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
 ) -> None:
     """One fused pass (see :mod:`rudra_async.kernels`), block by block."""
     check_batch(grads, scales, w.size)
+    lr, momentum, weight_decay, nesterov = sgd.lr, sgd.momentum, sgd.weight_decay, sgd.nesterov
     n = w.size
     m = min(BLOCK, n)
     d = np.empty(m, np.float32)
@@ -65,14 +58,6 @@ def _scaled(g: np.ndarray, scale: float, out: np.ndarray) -> None:
 
 class NumpyUpdater(HostUpdater):
     def apply(
-        self,
-        w: np.ndarray,
-        w_out: np.ndarray,
-        grads: Sequence[np.ndarray],
-        scales: Sequence[float],
-        lr: float,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
+        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
     ) -> None:
-        apply(w, w_out, self._v, grads, scales, lr, momentum, weight_decay, nesterov)
+        apply(w, w_out, self._v, grads, scales, sgd)

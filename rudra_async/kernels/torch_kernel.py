@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import HostUpdater, check_batch
+from . import SGD, HostUpdater, check_batch
 
 BLOCK = 1 << 20  # 4 MiB of float32 per operand: few Python calls, still cache-friendly
 
@@ -21,15 +21,7 @@ class TorchUpdater(HostUpdater):
         self._d = torch.empty(min(BLOCK, max(size, 1)), dtype=torch.float32)
 
     def apply(
-        self,
-        w: np.ndarray,
-        w_out: np.ndarray,
-        grads: Sequence[np.ndarray],
-        scales: Sequence[float],
-        lr: float,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
+        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
     ) -> None:
         check_batch(grads, scales, self.size)
         wt, out = torch.from_numpy(w), torch.from_numpy(w_out)
@@ -37,7 +29,7 @@ class TorchUpdater(HostUpdater):
             out.copy_(wt)
         gs = [torch.from_numpy(g) for g in grads]
         if len(gs) == 1 and scales[0] == 1.0 and gs[0].dtype == torch.float32:
-            self._step(out, gs[0], self._vt, lr, momentum, weight_decay, nesterov)  # one fused call
+            self._step(out, gs[0], self._vt, sgd)  # one fused call
             return
         for lo in range(0, self.size, BLOCK):
             hi = min(lo + BLOCK, self.size)
@@ -49,27 +41,19 @@ class TorchUpdater(HostUpdater):
                 d.mul_(scales[0])
             for g, s in zip(gs[1:], scales[1:]):  # in-place add computes in float32
                 d.add_(g[lo:hi], alpha=s)
-            self._step(out[lo:hi], d, self._vt[lo:hi], lr, momentum, weight_decay, nesterov)
+            self._step(out[lo:hi], d, self._vt[lo:hi], sgd)
 
     @staticmethod
-    def _step(
-        w: torch.Tensor,
-        d: torch.Tensor,
-        v: torch.Tensor,
-        lr: float,
-        momentum: float,
-        weight_decay: float,
-        nesterov: bool,
-    ) -> None:
+    def _step(w: torch.Tensor, d: torch.Tensor, v: torch.Tensor, sgd: SGD) -> None:
         torch._fused_sgd_(
             [w],
             [d],
-            [v] if momentum else [],
-            weight_decay=weight_decay,
-            momentum=momentum,
-            lr=lr,
+            [v] if sgd.momentum else [],
+            weight_decay=sgd.weight_decay,
+            momentum=sgd.momentum,
+            lr=sgd.lr,
             dampening=0.0,
-            nesterov=nesterov,
+            nesterov=sgd.nesterov,
             maximize=False,
             is_first_step=False,
         )

@@ -26,6 +26,7 @@ from .. import __version__, kernels, registry
 from ..checkpoint import Checkpoint
 from ..config import ServerConfig
 from ..errors import CheckpointError, ConfigError, RequestError, RudraError
+from ..kernels import SGD
 from ..layout import Layout, Shard
 from ..lr import LRPolicy, Schedule
 from ..sync import Decision, Gradient, SyncProtocol
@@ -409,7 +410,7 @@ class ServerCore:
         base = self.schedule.rate(clock, epoch, samples or None)
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
         t0 = time.perf_counter()
-        store.apply([p.grad for p in pendings], scales, base, cfg.momentum, cfg.weight_decay, cfg.nesterov)
+        store.apply([p.grad for p in pendings], scales, SGD(base, cfg.momentum, cfg.weight_decay, cfg.nesterov))
         self.update_seconds += time.perf_counter() - t0
         self.samples += samples
         now = self._now()
