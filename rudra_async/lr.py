@@ -141,9 +141,12 @@ class Schedule:
             raise ConfigError(f"the reference batch must be >= 1, got {self.scale_ref_batch}")
         self.decay_at = tuple(sorted(self.decay_at))
 
-    def rate(self, update: int, epoch: float | None = None, batch_samples: int | None = None) -> float:
-        """The base rate for the update numbered ``update`` (0-based)."""
-        alpha = self.base
+    def rate(
+        self, update: int, epoch: float | None = None, batch_samples: int | None = None, base: float | None = None
+    ) -> float:
+        """The rate for the update numbered ``update`` (0-based), from ``base`` (default: the
+        schedule's own; a parameter group's base rate otherwise)."""
+        alpha = self.base if base is None else base
         position = update if self.decay_unit == "updates" else epoch
         if position is None:
             if self.decay_at:

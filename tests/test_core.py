@@ -186,3 +186,39 @@ def test_gradients_a_protocol_still_holds_when_the_run_stops_are_answered_droppe
     assert core.stopped and core.clock == 2
     assert held.outcome == "dropped"
     assert core.rejected["stopped"] == 1 and not core.protocol.held
+
+
+def test_parameter_groups_come_with_the_first_hello_and_later_hellos_must_match():
+    core = ServerCore(ServerConfig(kernel="numpy", lr=0.5, momentum=0.0))
+    bad = [[1, 0.1, 0.0]], [[2, 0.1, -1.0]], [[2, float("nan"), 0.0]], [[0, 0.1, 0.0], [2, 0.1, 0.0]], "x"
+    for groups in bad:
+        assert code_of(lambda g=groups: hello(core, groups=g)) == "bad_groups"
+    learner = hello(core, groups=[[1, 0.1, 0.01], [1, 0.2, 0.0]])  # w (2x3) with lr 0.1, b (3) with lr 0.2
+    assert core.welcome(learner)["groups"] == [[1, 0.1, 0.01], [1, 0.2, 0.0]]
+    assert code_of(lambda: hello(core, initial=None, groups=[[2, 0.5, 0.0]])) == "groups_mismatch"
+    hello(core, initial=None)  # a learner that declares no groups takes the server's
+    g = np.ones(LAYOUT.size, np.float32)
+    push(core, learner, g)
+    expected = np.concatenate([W0[:6] - 0.1 * (g[:6] + 0.01 * W0[:6]), W0[6:] - 0.2 * g[6:]])
+    np.testing.assert_allclose(core.store.weights, expected, rtol=1e-6)
+    with core.store.lease() as (clock, weights):
+        state = core.snapshot(clock, weights)
+    resumed = ServerCore(ServerConfig(kernel="numpy", lr=0.5, momentum=0.0))
+    resumed.restore(state)
+    assert resumed.groups == core.groups
+
+
+def test_a_shard_applies_the_part_of_each_group_it_holds():
+    """Shard 0/2 of 9 values holds [0, 5), part of w's group; shard 1/2 the rest of it and all of b's."""
+    from rudra_async.layout import Shard
+
+    cfg = dict(kernel="numpy", lr=0.5, momentum=0.0)
+    groups = [[1, 0.1, 0.0], [1, 0.2, 0.0]]
+    whole = ServerCore(ServerConfig(**cfg))
+    push(whole, hello(whole, groups=groups), np.ones(LAYOUT.size, np.float32))
+    for index in (0, 1):
+        shard = ServerCore(ServerConfig(**cfg, shard=Shard(index, 2)))
+        lo, hi = Shard(index, 2).range(LAYOUT.size)
+        learner = hello(shard, initial=W0[lo:hi], shard=[index, 2], groups=groups)
+        push(shard, learner, np.ones(hi - lo, np.float32))
+        np.testing.assert_array_equal(shard.store.weights, whole.store.weights[lo:hi])

@@ -5,8 +5,8 @@ import pytest
 from helpers import random_batches, sgd_reference
 
 from rudra_async import ConfigError
-from rudra_async.kernels import SGD, Updater, cupy_device_available, make_updater, resolve
-from rudra_async.kernels.numpy_kernel import BLOCK, apply
+from rudra_async.kernels import SGD, Group, Updater, cupy_device_available, make_updater, resolve
+from rudra_async.kernels.numpy_kernel import BLOCK
 
 gpu = pytest.mark.skipif(not cupy_device_available(), reason="needs CuPy with a CUDA device")
 BACKENDS = ["numpy", "torch", pytest.param("cupy", marks=[pytest.mark.gpu, gpu])]
@@ -102,7 +102,11 @@ def test_weights_are_read_from_the_buffer_given(backend):
 def test_kernel_rejects_bad_batches():
     w = np.zeros(4, np.float32)
     with pytest.raises(ValueError):
-        apply(w, w, w.copy(), [w], [1.0, 2.0], 0.1)
+        make_updater("numpy", 4).apply(w, w, [w], [1.0, 2.0], SGD(0.1))
+    with pytest.raises(ValueError, match="groups must cover"):
+        make_updater("numpy", 4).apply(w, w, [w], [1.0], [Group(0, 2, SGD(0.1)), Group(3, 4, SGD(0.1))])
+    with pytest.raises(ValueError, match="groups must cover"):
+        make_updater("torch", 4).apply(w, w, [w], [1.0], [Group(0, 3, SGD(0.1))])
     with pytest.raises(ValueError):
         make_updater("torch", 4).apply(w, w, [np.zeros(5, np.float32)], [1.0], SGD(0.1))
     with pytest.raises(ValueError):
@@ -122,3 +126,29 @@ def test_selection():
     if not cupy_device_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             resolve("cupy")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parameter_groups_equal_torch_sgd_with_two_param_groups(backend):
+    """Two groups with their own lr and weight decay (and a shared momentum, nesterov) over one
+    flat vector: torch.optim.SGD with two parameter groups, step by step."""
+    import torch
+
+    n, split = 1000, 377
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(n).astype(np.float32)
+    up = make_updater(backend, n)
+    a = torch.nn.Parameter(torch.from_numpy(w[:split].copy()))
+    b = torch.nn.Parameter(torch.from_numpy(w[split:].copy()))
+    opt = torch.optim.SGD(
+        [{"params": [a], "lr": 0.05, "weight_decay": 1e-3}, {"params": [b], "lr": 0.2, "weight_decay": 0.0}],
+        momentum=0.9,
+        nesterov=True,
+    )
+    for _ in range(5):
+        g = rng.standard_normal(n).astype(np.float32)
+        groups = [Group(0, split, SGD(0.05, 0.9, 1e-3, True)), Group(split, n, SGD(0.2, 0.9, 0.0, True))]
+        up.apply(w, w, [g], [1.0], groups)
+        a.grad, b.grad = torch.from_numpy(g[:split].copy()), torch.from_numpy(g[split:].copy())
+        opt.step()
+        np.testing.assert_allclose(w, np.concatenate([a.detach().numpy(), b.detach().numpy()]), rtol=1e-5, atol=1e-6)

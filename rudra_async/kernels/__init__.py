@@ -8,8 +8,10 @@ Every backend computes, in one pass over flat float32 buffers, what ``torch.opti
     step = d + momentum · v  if nesterov else v
     w'   = w − lr · step
 
+The settings may differ between parameter groups: contiguous ranges [lo, hi) of the flat
+vector, each with its own :class:`SGD` (as ``torch.optim`` parameter groups).
 Gradients may be float32 or float16 (accumulated in float32). This package is the only
-place that imports cupy or decides the device; :func:`select` picks a backend.
+place that imports cupy or decides the device; :func:`resolve` picks a backend.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ __all__ = [
     "DEVICES",
     "KERNELS",
     "SGD",
+    "Group",
     "HostUpdater",
+    "Steps",
     "Updater",
+    "as_groups",
     "cupy_device_available",
     "make_updater",
     "resolve",
@@ -48,11 +53,38 @@ class SGD:
     nesterov: bool = False
 
 
+@dataclass(frozen=True)
+class Group:
+    """Values [lo, hi) of the flat vector and the settings of their update."""
+
+    lo: int
+    hi: int
+    sgd: SGD
+
+
+#: what an update applies: one SGD for the whole vector, or one per group (covering it in order)
+Steps = SGD | Sequence[Group]
+
+
+def as_groups(steps: Steps, size: int) -> Sequence[Group]:
+    """``steps`` as groups that cover [0, size) in order, without gaps or overlaps."""
+    if isinstance(steps, SGD):
+        return (Group(0, size, steps),)
+    edge = 0
+    for g in steps:
+        if g.lo != edge or g.hi < g.lo:
+            raise ValueError(f"groups must cover [0, {size}) in order; a group spans [{g.lo}, {g.hi})")
+        edge = g.hi
+    if edge != size:
+        raise ValueError(f"groups must cover [0, {size}); they end at {edge}")
+    return steps
+
+
 class Updater(abc.ABC):
     """Owns the momentum buffer (and, on a GPU, the master weights) of one flat parameter vector.
 
     ``apply`` reads the current weights from ``w`` (host) and writes the new ones into
-    ``w_out`` (host; may be ``w`` itself).
+    ``w_out`` (host; may be ``w`` itself); ``steps`` is one :class:`SGD` or one per group.
     """
 
     def __init__(self, size: int) -> None:
@@ -60,7 +92,7 @@ class Updater(abc.ABC):
 
     @abc.abstractmethod
     def apply(
-        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
+        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
     ) -> None: ...
 
     @property

@@ -19,7 +19,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from . import SGD, Updater, check_batch, check_momentum
+from . import Group, Steps, Updater, as_groups, check_batch, check_momentum
 from .cuda_source import KERNEL_SOURCES, kernel_name
 
 _THREADS = 256
@@ -35,7 +35,7 @@ class CupyUpdater(Updater):
         self._pinned: list[np.ndarray] = []  # pinned host staging, one per slot, reused
         self._streams: list[cp.cuda.Stream] = []
         self._kernels = {dt: cp.RawKernel(src, kernel_name(dt)) for dt, src in KERNEL_SOURCES.items()}
-        self._pointers: dict[int, cp.ndarray] = {}  # c -> device array of the first c gradient pointers
+        self._pointers: dict[tuple[int, int, int], cp.ndarray] = {}  # (c, lo, itemsize) -> gradient pointers at lo
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self._blocks = min(sms * 8, (size + _THREADS - 1) // _THREADS) or 1  # grid-stride: a few waves suffice
 
@@ -47,7 +47,7 @@ class CupyUpdater(Updater):
             self._streams.append(cp.cuda.Stream(non_blocking=True))
 
     def apply(
-        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
+        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
     ) -> None:
         check_batch(grads, scales, self.size)
         dtype = grads[0].dtype
@@ -66,7 +66,8 @@ class CupyUpdater(Updater):
             dev.set(staging, stream=self._streams[k])
         for s in self._streams[: len(grads)]:
             s.synchronize()
-        self.fold(len(grads), dtype, scales, sgd)
+        for group in as_groups(steps, self.size):
+            self.fold(len(grads), dtype, scales, group)
         self._w.get(out=w_out)
         self._synced_with = w_out.ctypes.data
 
@@ -75,26 +76,33 @@ class CupyUpdater(Updater):
         c: int,
         dtype: np.dtype[Any],
         scales: Sequence[float],
-        sgd: SGD,
+        group: Group,
     ) -> None:
-        """The device-only part: one kernel over the first ``c`` device gradient buffers."""
-        if c not in self._pointers:
-            self._pointers[c] = cp.asarray(np.array([g.data.ptr for g in self._grads[:c]], np.uint64))
+        """The device-only part: one kernel over one group of the first ``c`` device gradient
+        buffers (the gradient pointers offset to the group's first value)."""
+        sgd, lo, n = group.sgd, group.lo, group.hi - group.lo
+        if n == 0:
+            return
+        key = (c, lo, np.dtype(dtype).itemsize)
+        if key not in self._pointers:
+            starts = [g.data.ptr + lo * key[2] for g in self._grads[:c]]
+            self._pointers[key] = cp.asarray(np.array(starts, np.uint64))
         scale_arr = cp.asarray(np.asarray(scales, np.float32))
+        blocks = min(self._blocks, (n + _THREADS - 1) // _THREADS)
         self._kernels[np.dtype(dtype)](
-            (self._blocks,),
+            (blocks,),
             (_THREADS,),
             (
-                self._w,
-                self._v,
-                self._pointers[c],
+                self._w[lo : group.hi],
+                self._v[lo : group.hi],
+                self._pointers[key],
                 scale_arr,
                 np.int32(c),
                 np.float32(sgd.lr),
                 np.float32(sgd.momentum),
                 np.float32(sgd.weight_decay),
                 np.int32(bool(sgd.nesterov)),
-                np.int64(self.size),
+                np.int64(n),
             ),
         )
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import SGD, HostUpdater, check_batch
+from . import SGD, HostUpdater, Steps, as_groups, check_batch
 
 BLOCK = 1 << 16
 
@@ -14,8 +14,7 @@ BLOCK = 1 << 16
 def apply(
     w: np.ndarray, w_out: np.ndarray, v: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
 ) -> None:
-    """One fused pass (see :mod:`rudra_async.kernels`), block by block."""
-    check_batch(grads, scales, w.size)
+    """One fused pass over one group (see :mod:`rudra_async.kernels`), block by block."""
     lr, momentum, weight_decay, nesterov = sgd.lr, sgd.momentum, sgd.weight_decay, sgd.nesterov
     n = w.size
     m = min(BLOCK, n)
@@ -58,6 +57,9 @@ def _scaled(g: np.ndarray, scale: float, out: np.ndarray) -> None:
 
 class NumpyUpdater(HostUpdater):
     def apply(
-        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
+        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
     ) -> None:
-        apply(w, w_out, self._v, grads, scales, sgd)
+        check_batch(grads, scales, self.size)
+        for g in as_groups(steps, self.size):
+            part = slice(g.lo, g.hi)
+            apply(w[part], w_out[part], self._v[part], [x[part] for x in grads], scales, g.sgd)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import SGD, HostUpdater, check_batch
+from . import SGD, Group, HostUpdater, Steps, as_groups, check_batch
 
 BLOCK = 1 << 20  # 4 MiB of float32 per operand: few Python calls, still cache-friendly
 
@@ -21,18 +21,24 @@ class TorchUpdater(HostUpdater):
         self._d = torch.empty(min(BLOCK, max(size, 1)), dtype=torch.float32)
 
     def apply(
-        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD
+        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
     ) -> None:
         check_batch(grads, scales, self.size)
         wt, out = torch.from_numpy(w), torch.from_numpy(w_out)
         if out.data_ptr() != wt.data_ptr():
             out.copy_(wt)
         gs = [torch.from_numpy(g) for g in grads]
+        for group in as_groups(steps, self.size):
+            self._apply_group(out, gs, scales, group)
+
+    def _apply_group(self, out: torch.Tensor, gs: list[torch.Tensor], scales: Sequence[float], group: Group) -> None:
+        sgd = group.sgd
         if len(gs) == 1 and scales[0] == 1.0 and gs[0].dtype == torch.float32:
-            self._step(out, gs[0], self._vt, sgd)  # one fused call
+            part = slice(group.lo, group.hi)
+            self._step(out[part], gs[0][part], self._vt[part], sgd)  # one fused call
             return
-        for lo in range(0, self.size, BLOCK):
-            hi = min(lo + BLOCK, self.size)
+        for lo in range(group.lo, group.hi, BLOCK):
+            hi = min(lo + BLOCK, group.hi)
             d = self._d[: hi - lo]
             if gs[0].dtype == torch.float32:
                 torch.mul(gs[0][lo:hi], scales[0], out=d)

@@ -26,12 +26,12 @@ from .. import __version__, kernels, registry
 from ..checkpoint import Checkpoint
 from ..config import ServerConfig
 from ..errors import CheckpointError, ConfigError, RequestError, RudraError
-from ..kernels import SGD
 from ..layout import Layout, Shard
 from ..lr import LRPolicy, Schedule
 from ..sync import Decision, Gradient, SyncProtocol
 from ..transports.base import SharedMemory
 from ..wire import Frame
+from .groups import ParamGroup, default_groups, parse_groups, steps_for
 from .stats import StalenessHistogram
 from .store import WeightStore
 
@@ -129,6 +129,7 @@ class ServerCore:
         )
         self.shard: Shard = cfg.shard
         self.layout: Layout | None = None  # the whole model's; the store holds this server's shard of it
+        self.groups: tuple[ParamGroup, ...] = ()  # set with the layout
         self.store: WeightStore | None = None
         self.learners: dict[int, LearnerInfo] = {}
         self.staleness = StalenessHistogram()
@@ -172,6 +173,7 @@ class ServerCore:
         """The WELCOME metadata for a learner that just registered."""
         store, layout = self._need_store(), self.layout
         assert layout is not None
+        cfg = self.config
         return {
             "learner_id": learner.learner_id,
             "layout": layout.to_wire(),
@@ -181,6 +183,9 @@ class ServerCore:
             "clock": store.clock,
             "server": f"rudra-async {__version__}",
             "pid": os.getpid(),
+            "groups": [g.to_wire() for g in self.groups],
+            "momentum": cfg.momentum,
+            "nesterov": cfg.nesterov,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -231,10 +236,17 @@ class ServerCore:
             raise RequestError(
                 f"this server is shard {self.shard}; the learner asked for shard {shard}", code="shard_mismatch"
             )
+        groups = parse_groups(meta["groups"], layout) if meta.get("groups") is not None else None
         if self.store is None:
-            self._initialize(layout, arrays, peer)
+            self._initialize(layout, arrays, peer, groups)
         elif self.layout is None or layout.to_wire() != self.layout.to_wire():
             raise RequestError("the learner's parameter layout differs from the server's", code="layout_mismatch")
+        elif groups is not None and groups != self.groups:
+            raise RequestError(
+                f"the learner's parameter groups {[g.to_wire() for g in groups]} differ from the server's "
+                f"{[g.to_wire() for g in self.groups]}",
+                code="groups_mismatch",
+            )
         info = LearnerInfo(self._next_id, str(meta.get("name", "")), peer)
         self._next_id += 1
         self.learners[info.learner_id] = info
@@ -305,7 +317,11 @@ class ServerCore:
             "weight_decay": cfg.weight_decay,
             "nesterov": cfg.nesterov,
         }
-        state = {"staleness": self.staleness.to_dict(), "lr_policy": self.lr_policy.state()}
+        state = {
+            "staleness": self.staleness.to_dict(),
+            "lr_policy": self.lr_policy.state(),
+            "groups": [g.to_wire() for g in self.groups],
+        }
         return Checkpoint(
             layout, clock, weights, store.updater.momentum, self.samples, info, shard=self.shard, state=state
         )
@@ -317,7 +333,11 @@ class ServerCore:
             raise ConfigError("give the server initial weights or a checkpoint to resume from, not both")
         if ckpt.shard != self.shard:
             raise ConfigError(f"{source} holds shard {ckpt.shard}, but this server is shard {self.shard}")
-        store = self._create_store(ckpt.layout, ckpt.weights)
+        try:
+            groups = parse_groups(ckpt.state["groups"], ckpt.layout) if "groups" in ckpt.state else None
+        except RequestError as exc:
+            raise CheckpointError(f"{source} has bad parameter groups: {exc}") from None
+        store = self._create_store(ckpt.layout, ckpt.weights, groups)
         store.clock = ckpt.clock
         self.protocol.start_at(ckpt.clock)
         store.updater.load_momentum(ckpt.momentum)
@@ -340,8 +360,10 @@ class ServerCore:
             raise RudraError("the server has no weights yet (no learner said hello)", code="no_weights")
         return self.store
 
-    def _initialize(self, layout: Layout, arrays: list[np.ndarray], peer: str) -> None:
-        """Weights from the first HELLO: one float32 segment of this shard's size."""
+    def _initialize(
+        self, layout: Layout, arrays: list[np.ndarray], peer: str, groups: tuple[ParamGroup, ...] | None
+    ) -> None:
+        """Weights (and parameter groups) from the first HELLO: one float32 segment of this shard's size."""
         try:
             lo, hi = self.shard.range(layout.size)
         except ConfigError as exc:
@@ -352,13 +374,17 @@ class ServerCore:
                 f"(of shard {self.shard}) as one float32 segment of {hi - lo} values",
                 code="no_weights",
             )
-        self._create_store(layout, arrays[0].reshape(-1))
+        self._create_store(layout, arrays[0].reshape(-1), groups)
         log.info("weights initialized by %s: %d parameters in %d tensors", peer, layout.size, len(layout.tensors))
 
-    def _create_store(self, layout: Layout, shard_weights: np.ndarray) -> WeightStore:
-        """Hold this server's shard of a model with the given (whole) layout."""
+    def _create_store(
+        self, layout: Layout, shard_weights: np.ndarray, groups: tuple[ParamGroup, ...] | None = None
+    ) -> WeightStore:
+        """Hold this server's shard of a model with the given (whole) layout and groups
+        (default: one group with the configured learning rate and weight decay)."""
         shared = self._shared_memory
         self.layout = layout
+        self.groups = groups or default_groups(layout, self.config.lr, self.config.weight_decay)
         self.store = WeightStore(
             self.shard.layout(layout),
             shard_weights,
@@ -407,10 +433,19 @@ class ServerCore:
         pendings: list[PendingGradient] = [g.payload for g in batch]
         samples = sum(p.samples for p in pendings)
         epoch = self.samples / cfg.samples_per_epoch if cfg.samples_per_epoch else None
-        base = self.schedule.rate(clock, epoch, samples or None)
+        layout = self.layout
+        assert layout is not None, "the store exists, so the layout does"
+        steps = steps_for(
+            self.groups,
+            layout,
+            self.shard.range(layout.size),
+            lambda lr: self.schedule.rate(clock, epoch, samples or None, base=lr),
+            cfg.momentum,
+            cfg.nesterov,
+        )
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
         t0 = time.perf_counter()
-        store.apply([p.grad for p in pendings], scales, SGD(base, cfg.momentum, cfg.weight_decay, cfg.nesterov))
+        store.apply([p.grad for p in pendings], scales, steps)
         self.update_seconds += time.perf_counter() - t0
         self.samples += samples
         now = self._now()

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..kernels import SGD, Updater, make_updater
+from ..kernels import Steps, Updater, make_updater
 from ..layout import Layout
 
 
@@ -64,11 +64,11 @@ class WeightStore:
                 if buf is not self._current:
                     self._spares.append(buf)
 
-    def apply(self, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD) -> int:
+    def apply(self, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps) -> int:
         """Fold the gradients into the weights, advance the clock, return it."""
         src = self._current
         dst = src if id(src) not in self._leases else self._spare()
-        self.updater.apply(src, dst, grads, scales, sgd)
+        self.updater.apply(src, dst, grads, scales, steps)
         self._current = dst
         self.clock += 1
         return self.clock
