@@ -67,7 +67,7 @@ def learner(as_json: bool, **kwargs: Any) -> None:
     """Run one PyTorch learner against a server."""
     try:
         cfg = _config(LearnerConfig, kwargs).validate()
-        from .learner.training import run_learner
+        from .learner.loop import run_learner
 
         summary = run_learner(cfg)
     except RudraError as exc:
@@ -131,7 +131,7 @@ def launch(**kwargs: Any) -> None:
 def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, as_json: bool) -> None:
     """Test accuracy of the weights in a checkpoint (written with --checkpoint); for a sharded
     group, give every shard's checkpoint."""
-    from .learner.training import evaluate_checkpoint
+    from .learner.evaluation import evaluate_checkpoint
 
     try:
         out = evaluate_checkpoint(checkpoints, model, dataset)

@@ -81,6 +81,7 @@ class Client:
 
     def __init__(self, conn: Connection, welcome: dict[str, Any]) -> None:
         self.conn = conn
+        self.welcome = welcome  # the server's WELCOME (docs/wire.md): its groups, momentum, protocol, ...
         self.learner_id: int = welcome["learner_id"]
         self.layout = Layout.from_wire(welcome["layout"])  # the whole model's
         self.shard = Shard.from_wire(welcome.get("shard"))
@@ -102,14 +103,18 @@ class Client:
         timeout: float = 10.0,
         limits: Limits = Limits(),
         shard: Shard | None = None,
+        groups: Sequence[Sequence[Any]] | None = None,
     ) -> Client:
-        """Connect and register. ``initial`` (flat float32) seeds the server if it has no weights.
+        """Connect and register. ``initial`` (flat float32) seeds the server if it has no weights,
+        and ``groups`` (``[[tensors, lr, weight_decay], ...]``, docs/wire.md) its parameter groups.
         For one shard of a sharded group, pass ``shard`` and only that shard's part of ``initial``."""
         conn = await transports.connect(url, limits=limits, timeout=timeout)
         try:
             meta = {"name": name or f"{socket.gethostname()}:{os.getpid()}", "layout": layout.to_wire(), "seq": 0}
             if shard is not None:
                 meta["shard"] = shard.to_wire()
+            if groups is not None:
+                meta["groups"] = [list(g) for g in groups]
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
             await conn.send(MsgType.HELLO, meta, arrays)
             reply = await asyncio.wait_for(conn.recv(), timeout)
@@ -256,6 +261,11 @@ class ShardedClient:
     def protocol(self) -> str:
         return self.clients[0].protocol
 
+    @property
+    def welcome(self) -> dict[str, Any]:
+        """Shard 0's WELCOME (every shard runs the same settings)."""
+        return self.clients[0].welcome
+
     def _per_shard(self, stamp: Stamp) -> list[int]:
         stamps = [stamp] * len(self.clients) if isinstance(stamp, int) else list(stamp)
         if len(stamps) != len(self.clients):
@@ -363,6 +373,10 @@ class SyncClient:
     @property
     def learner_id(self) -> int:
         return self._client.learner_id
+
+    @property
+    def welcome(self) -> dict[str, Any]:
+        return self._client.welcome
 
     @property
     def layout(self) -> Layout:

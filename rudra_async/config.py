@@ -90,7 +90,7 @@ class ServerConfig:
         "Update kernel backend; auto: cupy where a GPU is visible, else torch, else numpy.",
         choices=("auto", "numpy", "torch", "cupy"),
     )
-    device: str = setting("auto", "Device of the update kernel.", choices=("auto", "cpu", "cuda"))
+    kernel_device: str = setting("auto", "Device of the update kernel.", choices=("auto", "cpu", "cuda"))
     checkpoint: str | None = setting(
         None,
         "Write weights, momentum and clock here (atomically) when the server "
@@ -163,8 +163,21 @@ class ServerConfig:
 class LearnerOptions:
     """The training recipe that every learner of a run shares."""
 
-    model: str = setting("mlp", "Built-in model name (mlp, linear, cifar10_full) or module:function.")
-    dataset: str = setting("digits", "digits, mnist5k or cifar10:DIRECTORY.")
+    model: str = setting(
+        "mlp",
+        "Built-in model (mlp, linear, cifar10_full; built for --dataset) or module:function returning an nn.Module.",
+    )
+    dataset: str = setting("digits", "Built-in data set: digits, mnist5k or cifar10:DIRECTORY (unless --data).")
+    data: str | None = setting(
+        None,
+        "module:function returning a DataLoader (or any iterable of (input, target) batches); it may take "
+        "index= and learners= to give each learner its shard.",
+    )
+    loss: str = setting("cross_entropy", "cross_entropy, mse, or module:function(output, target) -> scalar tensor.")
+    device: str = setting("cpu", "Where the model computes: cpu, cuda, cuda:N, mps, or auto (cuda when available).")
+    overlap: bool = setting(
+        False, "Push/pull step t in the background while step t+1 computes (one more step of staleness)."
+    )
     batch_size: int = setting(32, "Mini-batch size μ per learner.", short="-b", low=1)
     steps: int | None = setting(None, "Gradients each learner pushes (default: until the server stops).", low=1)
     seed: int = setting(0, "Seed of the initial weights (every learner builds the same) and of sampling.")
@@ -187,7 +200,8 @@ class LearnerConfig:
     connect: str = setting(
         help="Server address, e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, comma-separated, in order."
     )
-    index: int = setting(0, "Learner index (seeds its sampling).", low=0)
+    index: int = setting(0, "Learner index (seeds its sampling; passed to a --data function).", low=0)
+    learners: int = setting(1, "Learners in the job (passed to a --data function, to shard the data).", low=1)
     name: str | None = setting(None, "Name the server shows for this learner (default: host:pid).")
     timeout: float = setting(10.0, "Connect timeout in seconds.", above=0)
     options: LearnerOptions = section(LearnerOptions)

@@ -15,6 +15,7 @@ __all__ = [
     "ConnectError",
     "ConnectionClosed",
     "FrameTooLarge",
+    "LearnerError",
     "MalformedFrame",
     "PeerGone",
     "RemoteError",
@@ -103,6 +104,13 @@ class CheckpointError(RudraError):
     """A checkpoint cannot be written, or a file is not a complete, intact checkpoint."""
 
     code = "bad_checkpoint"
+
+
+class LearnerError(RudraError):
+    """A learner cannot go on with what it was given: a model, data or loss function that
+    does not fit (a parameter without a gradient, a loss that is not a scalar, ...)."""
+
+    code = "learner"
 
 
 class RemoteError(RudraError):

@@ -121,7 +121,7 @@ def test_selection():
     assert resolve("auto", "cpu") == "torch"
     with pytest.raises(ConfigError, match="unknown kernel"):
         resolve("fortran")
-    with pytest.raises(ConfigError, match="--device cuda needs"):
+    with pytest.raises(ConfigError, match="--kernel-device cuda needs"):
         resolve("numpy", "cuda")
     if not cupy_device_available():
         with pytest.raises(ConfigError, match="no CUDA device"):

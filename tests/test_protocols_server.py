@@ -9,7 +9,8 @@ from helpers import run_server
 from torch import nn
 
 from rudra_async.client import Client
-from rudra_async.learner.training import FlatModel
+from rudra_async.learner.binding import FlatParameters
+from rudra_async.learner.evaluation import bind
 
 LAM, MU, STEPS = 4, 8, 20
 
@@ -24,27 +25,28 @@ def data(seed=1, n=LAM * MU * STEPS):
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def grad_on(flat: FlatModel, x, y) -> np.ndarray:
+def grad_on(model: nn.Module, flat: FlatParameters, x, y) -> np.ndarray:
     flat.zero_grad()
-    nn.functional.cross_entropy(flat.module(x), y).backward()
-    return flat.grads.numpy().copy()
+    nn.functional.cross_entropy(model(x), y).backward()
+    return flat.host_grads.copy()
 
 
 class TorchLearner:
     """A learner in this process: its own model copy, bound to flat buffers."""
 
-    def __init__(self, client: Client, flat: FlatModel):
-        self.client, self.flat = client, flat
+    def __init__(self, client: Client, model: nn.Module, flat: FlatParameters):
+        self.client, self.model, self.flat = client, model, flat
 
     @classmethod
     async def connect(cls, url, seed=0):
-        flat = FlatModel(make_model(seed))
-        client = await Client.connect(url, flat.layout, flat.weights.numpy())
-        return cls(client, flat)
+        model = make_model(seed)
+        flat = bind(model)
+        client = await Client.connect(url, flat.layout, flat.host_weights)
+        return cls(client, model, flat)
 
     async def step(self, w, x, y):
-        self.flat.load(w.array)
-        return await self.client.push_pull(grad_on(self.flat, x, y), w.timestamp, samples=len(y))
+        self.flat.host_weights[:] = w.array
+        return await self.client.push_pull(grad_on(self.model, self.flat, x, y), w.timestamp, samples=len(y))
 
 
 @pytest.mark.parametrize("protocol", ["hardsync", "softsync"])  # softsync with n = 1 is hardsync without a barrier
@@ -52,7 +54,7 @@ async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(pro
     x, y = data()
     ref = make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    ref_flat = FlatModel(ref)
+    ref_flat = bind(ref)
     options = {"n": 1} if protocol == "softsync" else {}
     async with run_server(protocol=protocol, lr=0.1, momentum=0.9, weight_decay=0.01, **options) as ps:
         learners = [await TorchLearner.connect(ps.addresses[0]) for _ in range(LAM)]
@@ -72,7 +74,7 @@ async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(pro
             opt.step()
             assert all(w.timestamp == step + 1 for w in ws)
             for w in ws:
-                np.testing.assert_allclose(w.array, ref_flat.weights.numpy(), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(w.array, ref_flat.host_weights, rtol=1e-5, atol=1e-6)
         assert ps.stats()["staleness_max"] == 0
         for learner in learners:
             await learner.client.close()
@@ -82,7 +84,7 @@ async def test_async_with_one_learner_equals_torch_sgd_on_mu():
     x, y = data()
     ref = make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
-    ref_flat = FlatModel(ref)
+    ref_flat = bind(ref)
     async with run_server(protocol="async", lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True) as ps:
         learner = await TorchLearner.connect(ps.addresses[0])
         w = await learner.client.pull()
@@ -92,7 +94,7 @@ async def test_async_with_one_learner_equals_torch_sgd_on_mu():
             ref_flat.zero_grad()
             nn.functional.cross_entropy(ref(xb), yb).backward()
             opt.step()
-            np.testing.assert_allclose(w.array, ref_flat.weights.numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(w.array, ref_flat.host_weights, rtol=1e-5, atol=1e-6)
         await learner.client.close()
 
 

@@ -148,14 +148,14 @@ def cupy_device_available() -> bool:
 
 
 def resolve(kernel: str = "auto", device: str = "auto") -> str:
-    """The backend name for the ``--kernel`` / ``--device`` pair."""
+    """The backend name for the ``--kernel`` / ``--kernel-device`` pair."""
     if kernel not in ("auto", *KERNELS):
         raise ConfigError(f"unknown kernel {kernel!r}; known: auto, {', '.join(KERNELS)}")
     if device not in DEVICES:
         raise ConfigError(f"unknown device {device!r}; known: {', '.join(DEVICES)}")
     if kernel == "cupy" or device == "cuda":
         if kernel not in ("auto", "cupy"):
-            raise ConfigError(f"kernel {kernel!r} runs on the CPU; --device cuda needs --kernel cupy or auto")
+            raise ConfigError(f"kernel {kernel!r} runs on the CPU; --kernel-device cuda needs --kernel cupy or auto")
         if not cupy_device_available():
             raise ConfigError("no CUDA device visible to CuPy (install rudra-async[gpu] on a GPU machine)")
         return "cupy"

@@ -95,7 +95,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         from ..eventloop import run
 
         return {"role": "server", "rank": cfg.rank, **run(serve_shard(cfg, Shard(cfg.rank, cfg.servers)))}
-    from ..learner.training import run_learner
+    from ..learner.loop import run_learner
 
     index = cfg.rank - cfg.servers
     urls = wait_for_servers(cfg)

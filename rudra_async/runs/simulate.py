@@ -93,13 +93,13 @@ async def _learner(
     import torch
 
     from ..learner.data import minibatches
-    from ..learner.training import FlatModel, build_model
+    from ..learner.evaluation import bind, build_model
 
     model = build_model(cfg.learner.model, dataset, cfg.learner.seed)
-    flat = FlatModel(model)
-    client = await Client.connect(url, flat.layout, flat.weights.numpy(), name=f"sim-{index}")
+    flat = bind(model)
+    client = await Client.connect(url, flat.layout, flat.host_weights, name=f"sim-{index}")
     sched.ids[index] = client.learner_id
-    client.weights = flat.weights.numpy()  # pulled weights land in the model
+    client.weights = flat.host_weights  # pulled weights land in the model
     w = await client.pull()
     x, y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
     batches = minibatches(len(y), cfg.learner.batch_size, rng)
@@ -108,10 +108,13 @@ async def _learner(
         while not w.stop and (steps is None or step < steps):
             await sched.at(index, sched.now + duration[step % len(duration)])
             idx = torch.from_numpy(next(batches))
-            loss = flat.gradient(x[idx], y[idx])
+            flat.zero_grad()
+            loss_value = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+            loss_value.backward()
+            loss = loss_value.item()
             sched.state[index] = "request"
             try:
-                w = await client.push_pull(flat.grads.numpy(), w.timestamp, step, len(idx), loss)
+                w = await client.push_pull(flat.host_grads, w.timestamp, step, len(idx), loss)
             except RemoteError as exc:
                 if exc.code == "stopped":
                     break

@@ -103,10 +103,10 @@ def summarize(
 ) -> dict[str, Any]:
     """The results of a finished run: configuration, final test accuracy, statistics.
     ``weights``: the whole model's (default: the server's; a shard group's, joined)."""
-    from ..learner.training import FlatModel, build_model, evaluate
+    from ..learner.evaluation import bind, build_model, evaluate
 
     model = build_model(cfg.learner.model, dataset, cfg.learner.seed)
-    FlatModel(model).load(server.core.store.weights if weights is None else weights)  # type: ignore[union-attr]
+    bind(model).host_weights[:] = server.core.store.weights if weights is None else weights  # type: ignore[union-attr]
     accuracy, test_loss = evaluate(model, dataset.x_test, dataset.y_test)
     stats = server.stats()
     return {

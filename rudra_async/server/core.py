@@ -121,7 +121,7 @@ class ServerCore:
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         cfg = self.config = config.validate()
-        self.kernel = kernels.resolve(cfg.kernel, cfg.device)
+        self.kernel = kernels.resolve(cfg.kernel, cfg.kernel_device)
         self.protocol = make_protocol(cfg)
         self.lr_policy = make_lr_policy(cfg)
         self.schedule = Schedule(

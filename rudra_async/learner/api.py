@@ -1,0 +1,248 @@
+"""Train your own PyTorch model on a rudra-async server, as with Horovod's or BytePS's
+``DistributedOptimizer``: build the model, loss and data as usual, then::
+
+    opt = DistributedOptimizer(model, "tcp://server:7000", optimizer=torch.optim.SGD(...))
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        if not opt.step(loss=loss, samples=len(x)):   # push the gradient, pull the next weights
+            break                                       # the server's run is over
+    opt.close()
+
+The server applies the update (docs/protocols.md): the optimizer given here only declares
+the parameter groups (lr, weight decay) and is checked against the server's momentum and
+nesterov; its own ``step()`` is never called.
+
+**What is sent.** Every parameter with ``requires_grad`` is trained on the server, in the
+order of the optimizer's parameter groups (or of ``model.named_parameters()`` without an
+optimizer). Frozen parameters (``requires_grad=False``) never leave the learner and keep
+their local values. **Buffers** (BatchNorm's running statistics, ...) are not sent either:
+each learner keeps its own, updated by its own forward passes on its own data, as DDP does
+with ``broadcast_buffers=False``; evaluate with the buffers of one learner, or recompute them.
+
+**Overlap** (the paper's "adv*"): with ``overlap=True`` the push and pull of step t run in
+a background thread while step t+1 computes on the weights already at hand; each gradient is
+then one more update stale. Weights and gradients are double-buffered, so nothing is copied.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..client import Stamp, SyncClient, Weights, went_back
+from ..errors import LearnerError, RemoteError, TransportError
+from .binding import FlatParameters
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def trainable_parameters(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[list[tuple[str, nn.Parameter]], list[list[Any]] | None]:
+    """The parameters the server trains, in order, and the optimizer's groups in HELLO's form
+    (``[[tensors, lr, weight_decay], ...]``; None without an optimizer)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if optimizer is None:
+        return trainable, None
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise LearnerError(f"the server applies SGD; {type(optimizer).__name__} cannot be run there")
+    ordered: list[tuple[str, nn.Parameter]] = []
+    groups = []
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        unknown = [p for p in params if id(p) not in names]
+        if unknown:
+            raise LearnerError("the optimizer holds parameters that are not the model's")
+        if params:
+            ordered += [(names[id(p)], p) for p in params]
+            groups.append([len(params), float(group["lr"]), float(group["weight_decay"])])
+    left_out = [n for n, p in trainable if id(p) not in {id(q) for _, q in ordered}]
+    if left_out:
+        raise LearnerError(f"parameter(s) {', '.join(left_out)} require grad but are in no group of the optimizer")
+    return ordered, groups
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None, welcome: dict[str, Any]) -> None:
+    """The settings the server applies to every group must be the optimizer's."""
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        for key, theirs in (("momentum", welcome.get("momentum")), ("nesterov", welcome.get("nesterov"))):
+            if theirs is not None and group[key] != theirs:
+                raise LearnerError(
+                    f"the optimizer's {key} is {group[key]}, the server's is {theirs} "
+                    f"(start the server with --{key} {group[key]}, or build the optimizer with {key}={theirs})"
+                )
+        if group.get("dampening", 0) != 0:
+            raise LearnerError("the server's SGD has no dampening; build the optimizer with dampening=0")
+
+
+class DistributedOptimizer:
+    """One learner: ``model`` trained on the server(s) at ``server``.
+
+    ``server``: an address (``tcp://host:port``, ``shm://name``, ...), or every shard's, as a
+    list or comma-separated, in shard order. ``optimizer``: a ``torch.optim.SGD`` whose
+    parameter groups (lr, weight decay) the server uses. ``reconnect``: seconds to keep
+    trying to reach a lost server (0: raise at once). ``overlap``: push/pull in the
+    background (see the module docstring). Errors are the client's (``RemoteError``,
+    ``TransportError``, ...) and :class:`~rudra_async.errors.LearnerError`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        server: str | Sequence[str],
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        name: str | None = None,
+        timeout: float = 10.0,
+        reconnect: float = 0.0,
+        overlap: bool = False,
+    ) -> None:
+        named, groups = trainable_parameters(model, optimizer)
+        self.model = model
+        self.flat = FlatParameters(named)
+        self.reconnect = reconnect
+        self.steps = 0  # step() calls
+        self.pushes = 0  # gradients the server accepted (not refused because the run was over)
+        self.reconnects = 0
+        self._url = server if isinstance(server, str) else ",".join(server)
+        # All client calls run in one thread: this one, or the background one when overlapping.
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "rudra-exchange") if overlap else None
+        self._pending: concurrent.futures.Future[Weights] | None = None
+        cpu_overlap = overlap and self.flat.on_cpu
+        self._spare = (torch.empty_like(self.flat.weights), torch.zeros_like(self.flat.grads)) if cpu_overlap else None
+        try:
+            self.client = self._call(
+                lambda: SyncClient(
+                    self._url, self.flat.layout, self.flat.host_weights, name=name, timeout=timeout, groups=groups
+                )
+            )
+            check_optimizer(optimizer, self.client.welcome)
+            self._receive_into(self.flat.weights)
+            self._arrived(self._call(self.client.pull))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the training step ----------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero the gradients (use this, or a torch optimizer's ``zero_grad``: both work)."""
+        self.flat.zero_grad()
+
+    def step(self, loss: float | torch.Tensor | None = None, samples: int = 0) -> bool:
+        """Push the gradient of the last backward pass, stamped with the weights it was
+        computed on, and bring the next weights into the model. ``samples``: the mini-batch
+        size (the server's linear scaling rule and epoch schedule use it); ``loss``: reported
+        for the server's loss curve. Returns False once the server's run is over."""
+        if self.stopped:
+            return False
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        stamp, step = self.timestamp, self.steps
+        self.steps += 1
+        if self._worker is None:
+            self._arrived(self._exchange(self.flat.gradients(), stamp, step, samples, value))
+            return not self.stopped
+        return self._overlapped_step(stamp, step, samples, value)
+
+    def _overlapped_step(self, stamp: Stamp, step: int, samples: int, loss: float | None) -> bool:
+        """Wait for the previous exchange, give the model the weights it brought, and start this
+        step's exchange with the gradient just computed. On the CPU the model and the exchange
+        use alternate buffers (nothing is copied); on a device the exchange uses the host staging."""
+        assert self._worker is not None
+        received = self._pending.result() if self._pending is not None else None
+        self._pending = None
+        grads = self.flat.gradients()  # the previous exchange is over: the staging buffers are free
+        receive_into = self.flat.host_weights
+        if self._spare is not None:  # CPU: swap the model onto the spare pair
+            sent_weights, sent_grads = self.flat.weights, self.flat.grads
+            spare_weights, spare_grads = self._spare
+            if received is None:  # first step: go on computing on the weights at hand
+                spare_weights.copy_(sent_weights)
+            self.flat.bind(spare_weights, spare_grads)
+            self._spare = (sent_weights, sent_grads)
+            receive_into = sent_weights.numpy()  # the weights the model no longer uses
+        if received is not None:
+            self._arrived(received, wait=True)  # the next exchange reuses the host staging
+            if self.stopped:
+                return False
+        self._pending = self._worker.submit(self._send_from, grads, receive_into, stamp, step, samples, loss)
+        return True
+
+    def _send_from(
+        self, grads: np.ndarray, weights_in: np.ndarray, stamp: Stamp, step: int, samples: int, loss: float | None
+    ) -> Weights:
+        self.client.set_weights_buffer(weights_in)
+        return self._exchange(grads, stamp, step, samples, loss)
+
+    def _exchange(self, grads: np.ndarray, stamp: Stamp, step: int, samples: int, loss: float | None) -> Weights:
+        """push+pull, surviving a lost server for ``reconnect`` seconds (the gradient is then lost)."""
+        try:
+            weights = self.client.push_pull(grads, stamp, step, samples, loss)
+            self.pushes += 1
+            return weights
+        except RemoteError as exc:
+            if exc.code == "stopped":
+                return Weights(stamp, self.client.weights, True)
+            raise
+        except TransportError as exc:
+            if not self.reconnect:
+                raise
+            log.warning("lost the server (%s); reconnecting for up to %g s", exc, self.reconnect)
+            weights = self.client.reconnect(self.reconnect)
+            self.reconnects += 1
+            if went_back(weights.timestamp, stamp):
+                log.warning(
+                    "the server's clock went back from %s to %s: it restarted from older weights",
+                    stamp,
+                    weights.timestamp,
+                )
+            return weights
+
+    def _arrived(self, weights: Weights, wait: bool = False) -> None:
+        self.timestamp: Stamp = weights.timestamp
+        self.stopped = weights.stop
+        self.flat.load(wait)
+
+    def _receive_into(self, weights: torch.Tensor) -> None:
+        """Pulled weights land in ``weights`` (the model's memory on the CPU; else host staging)."""
+        self.client.set_weights_buffer(weights.numpy() if self.flat.on_cpu else self.flat.host_weights)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run a client call in the client's thread."""
+        return fn() if self._worker is None else self._worker.submit(fn).result()
+
+    # -- life cycle -------------------------------------------------------------------------------
+    @property
+    def learner_id(self) -> int:
+        return self.client.learner_id
+
+    def close(self) -> None:
+        """Finish an exchange in flight, say bye and close. Idempotent."""
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except Exception as exc:  # the last exchange failed; closing goes on
+                log.warning("the last exchange failed while closing: %s", exc)
+            self._pending = None
+        client = getattr(self, "client", None)
+        if client is not None:
+            self._call(client.close)
+            del self.client
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,51 @@
+"""The learner process (``rudra-async learner``): the paper's loop on the PyTorch API.
+
+Loop: take a mini-batch → forward, loss, backward on the weights stamped j → push the
+gradient with stamp j and receive the next weights (one round trip, or in the background
+with ``--overlap``) → repeat, until ``--steps`` or until the server says stop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..config import LearnerConfig
+from .api import DistributedOptimizer
+from .evaluation import evaluate
+from .parts import load_parts, scalar_loss
+
+
+def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
+    """Train against the server at ``cfg.connect``; returns a summary of this learner's run."""
+    opts = cfg.options
+    torch.set_num_threads(opts.threads)
+    parts = load_parts(opts, cfg.index, cfg.learners)
+    model = parts.model
+    started = time.monotonic()
+    last_loss = float("nan")
+    with DistributedOptimizer(
+        model, cfg.connect, name=cfg.name, timeout=cfg.timeout, reconnect=opts.reconnect, overlap=opts.overlap
+    ) as opt:
+        for x, y in parts.batches():
+            if opt.stopped or (opts.steps is not None and opt.steps >= opts.steps):
+                break
+            opt.zero_grad()
+            loss = scalar_loss(parts.loss(model(x), y), opts.loss)
+            loss.backward()
+            last_loss = loss.item()
+            opt.step(loss=last_loss, samples=len(x))
+        learner_id = opt.learner_id
+    summary = {
+        "learner_id": learner_id,
+        "steps": opt.pushes,
+        "reconnects": opt.reconnects,
+        "last_loss": last_loss,
+        "test_accuracy": None,
+        "wall_s": time.monotonic() - started,
+    }
+    if parts.test is not None:
+        summary["test_accuracy"], _ = evaluate(model, parts.test.x_test, parts.test.y_test)
+    return summary
