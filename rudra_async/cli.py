@@ -31,6 +31,12 @@ def main(log_level: str) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+def _accuracy(result: dict[str, Any]) -> str:
+    """The test accuracy, or why there is none (a --data run has no built-in test set)."""
+    value = result.get("test_accuracy")
+    return "n/a (--data)" if value is None else f"{value:.4f}"
+
+
 def _report(result: dict[str, Any], as_json: bool, line: str) -> None:
     """A command's result: one JSON line with --json, else one line for people."""
     click.echo(json.dumps(result) if as_json else line)
@@ -75,7 +81,7 @@ def learner(as_json: bool, **kwargs: Any) -> None:
     _report(
         summary,
         as_json,
-        f"learner {summary['learner_id']}: {summary['steps']} steps, test accuracy {summary['test_accuracy']:.4f}",
+        f"learner {summary['learner_id']}: {summary['steps']} steps, test accuracy {_accuracy(summary)}",
     )
 
 
@@ -99,7 +105,7 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     click.echo(
         f"protocol {out['protocol']} {out['protocol_options'] or ''}  lr policy {out['lr_policy']}  "
         f"learners {out['learners']}  batch {out['batch_size']}  updates {out['updates']}  dropped {out['dropped']}\n"
-        f"test accuracy {out['test_accuracy']:.4f}  wall {out['wall_s']:.1f} s (training {out['train_s']:.1f} s)\n"
+        f"test accuracy {_accuracy(out)}  wall {out['wall_s']:.1f} s (training {out['train_s']:.1f} s)\n"
         f"staleness mean {out['staleness_mean']:.2f}  max {out['staleness_max']}  histogram {out['staleness_histogram']}"
     )
     if out["learners_failed"]:

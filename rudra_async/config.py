@@ -171,7 +171,7 @@ class LearnerOptions:
     data: str | None = setting(
         None,
         "module:function returning a DataLoader (or any iterable of (input, target) batches); it may take "
-        "index= and learners= to give each learner its shard.",
+        "index=, learners= (to give each learner its shard), batch_size= and seed=.",
     )
     loss: str = setting("cross_entropy", "cross_entropy, mse, or module:function(output, target) -> scalar tensor.")
     device: str = setting("cpu", "Where the model computes: cpu, cuda, cuda:N, mps, or auto (cuda when available).")
@@ -202,6 +202,9 @@ class LearnerConfig:
     )
     index: int = setting(0, "Learner index (seeds its sampling; passed to a --data function).", low=0)
     learners: int = setting(1, "Learners in the job (passed to a --data function, to shard the data).", low=1)
+    passes: float | None = setting(
+        None, "Stop after this many passes over this learner's data (--data); train sets it from --epochs.", above=0
+    )
     name: str | None = setting(None, "Name the server shows for this learner (default: host:pid).")
     timeout: float = setting(10.0, "Connect timeout in seconds.", above=0)
     options: LearnerOptions = section(LearnerOptions)
@@ -248,7 +251,7 @@ class TrainConfig:
         self.server.check_shards(self.shards)
         return self
 
-    def server_config(self, listen: str, n_train: int, shard: Shard = Shard()) -> ServerConfig:
+    def server_config(self, listen: str, n_train: int | None, shard: Shard = Shard()) -> ServerConfig:
         return replace(
             self.server.for_shard(shard, listen),
             max_updates=self.updates,
@@ -264,10 +267,16 @@ class TrainConfig:
         return format_host_port(self.transport, self.host, 0)
 
     def steps_per_learner(self, n_train: int) -> int | None:
-        """Epochs count samples over all learners: each does epochs·N/(λμ) steps."""
-        if self.updates is not None:
+        """Epochs count samples over all learners: each does epochs·N/(λμ) steps (with a
+        built-in data set; with --data the learners count their own passes)."""
+        if self.updates is not None or self.learner.data is not None:
             return None
         return max(1, math.ceil(self.epochs * n_train / (self.learners * self.learner.batch_size)))
+
+    def passes_per_learner(self) -> float | None:
+        """With --data, an epoch is one pass of every learner over the batches its data
+        function gives it (which may be its shard)."""
+        return self.epochs if self.learner.data is not None and self.updates is None else None
 
 
 @dataclass

@@ -151,3 +151,52 @@ def random_batches(size, steps, c, dtype=np.float32, seed=1):
     for _ in range(steps):
         grads = [rng.standard_normal(size).astype(dtype) for _ in range(c)]
         yield grads, list(rng.uniform(0.1, 1.0, c) / c)
+
+
+@contextlib.contextmanager
+def server_thread(**overrides):
+    """A real server on a loopback port, its event loop in a background thread, for blocking
+    clients (the PyTorch API) in the test's own thread. Yields the server; closed on exit."""
+    import threading
+
+    from rudra_async.eventloop import run
+
+    box, ready = {}, threading.Event()
+
+    async def main():
+        cfg = ServerConfig(**{"listen": [LOOPBACK], **overrides})
+        async with ParameterServer(cfg) as ps:
+            box["ps"], box["loop"] = ps, asyncio.get_running_loop()
+            ready.set()
+            await ps.serve()
+
+    def target():
+        try:
+            run(main())
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    ready.wait(30)
+    if "ps" not in box:
+        raise RuntimeError("the server thread did not start")
+    try:
+        yield box["ps"]
+    finally:
+        box["loop"].call_soon_threadsafe(box["ps"].request_close)
+        thread.join(30)
+
+
+def write_cifar_batch(path, n: int, seed: int) -> None:
+    """A CIFAR-10 python-pickle batch of ``n`` random images (the format of the real files)."""
+    import pickle
+
+    rng = np.random.default_rng(seed)
+    batch = {
+        b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        b"labels": list(rng.integers(0, 10, n)),
+        b"batch_label": b"test",
+    }
+    with open(path, "wb") as fh:
+        pickle.dump(batch, fh)

@@ -1,9 +1,15 @@
 """The examples the README points to really run."""
 
+import difflib
+import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from helpers import CLI_ARGS, free_port, last_json, reap, start_server, subprocess_env, write_cifar_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,3 +23,61 @@ def test_embed_server_example_converges():
     assert m, proc.stdout
     assert int(m.group(1)) == 600
     assert float(m.group(3)) < 1e-3  # the three learners solved the regression through the server
+
+
+def code_lines(path: Path) -> list[str]:
+    """A script's lines after its module docstring."""
+    text = path.read_text()
+    return text[text.index('"""', 3) + 3 :].splitlines()
+
+
+def test_a_pytorch_script_moves_to_rudra_async_with_a_handful_of_lines():
+    before = code_lines(ROOT / "examples" / "torch_script_before.py")
+    after = code_lines(ROOT / "examples" / "torch_script_after.py")
+    changed = [
+        line
+        for line in difflib.unified_diff(before, after, lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---")) and line[1:].strip()
+    ]
+    assert len(changed) <= 5, changed  # import, wrap the optimizer, step(...) with the loss, close
+
+
+@pytest.mark.torch
+def test_the_script_trains_alone_and_on_a_server(tmp_path):
+    before = run_cli_script("torch_script_before.py", "2")
+    assert re.search(r"accuracy (0\.9\d+)", before.stdout), before.stdout
+    port = free_port()
+    server = start_server(port, "--protocol", "async", "--lr", "0.05", "--momentum", "0.9")
+    try:
+        after = run_cli_script("torch_script_after.py", f"tcp://127.0.0.1:{port}", "2")
+        assert after.returncode == 0, after.stderr
+        accuracy = float(re.search(r"accuracy ([\d.]+)", after.stdout).group(1))
+        assert accuracy >= 0.9, after.stdout
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+        assert last_json(err)["updates"] == 2 * 64  # 2 epochs of 64 batches, each one push
+    finally:
+        reap(server)
+
+
+@pytest.mark.torch
+def test_a_cnn_on_cifar10_format_data_through_a_dataloader_with_the_cli(tmp_path):
+    for i in (1, 2):
+        write_cifar_batch(tmp_path / f"data_batch_{i}", 40, i)
+    out = tmp_path / "r.json"
+    args = ["train", "-q", "--learners", "2", "--epochs", "1", "--batch-size", "8", "--lr", "0.01"]
+    args += ["--model", "cifar10_cnn:model", "--data", "cifar10_cnn:data", "--results", str(out)]
+    proc = subprocess.run(
+        [*CLI_ARGS, *args], cwd=ROOT / "examples", capture_output=True, text=True, timeout=300,
+        env={**subprocess_env(), "CIFAR10_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["updates"] == 2 * 5  # each learner: one pass over its 40 images, batches of 8
+    assert result["test_accuracy"] is None and "test accuracy n/a (--data)" in proc.stdout
+
+
+def run_cli_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=300
+    )

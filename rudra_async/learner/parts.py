@@ -5,8 +5,9 @@ user's own as ``module:function``, imported from the current directory or ``PYTH
 
 - ``--model module:fn``: ``fn()`` returns an ``nn.Module``;
 - ``--data module:fn``: ``fn()`` returns a ``DataLoader`` or any iterable of ``(input,
-  target)`` batches; it is passed ``index`` (this learner's) and ``learners`` (how many the
-  job has) when it declares parameters of those names, so it can give each learner its shard;
+  target)`` batches; it is passed ``index`` (this learner's), ``learners`` (how many the
+  job has), ``batch_size`` (``--batch-size``) and ``seed`` when it declares parameters of
+  those names, so it can give each learner its shard;
 - ``--loss module:fn``: ``fn(output, target)`` returns a scalar tensor.
 
 Every failure is a one-line :class:`~rudra_async.errors.LearnerError` naming what was
@@ -136,7 +137,15 @@ def load_parts(opts: LearnerOptions, index: int = 0, learners: int = 1) -> Parts
     model = call_user(load_user_object(opts.model, "--model"), opts.model, "model function")
     if not isinstance(model, nn.Module):
         raise LearnerError(f"model function {opts.model!r} returned {type(model).__name__}, not a torch.nn.Module")
-    data = call_user(load_user_object(opts.data, "--data"), opts.data, "data function", index=index, learners=learners)
+    data = call_user(
+        load_user_object(opts.data, "--data"),
+        opts.data,
+        "data function",
+        index=index,
+        learners=learners,
+        batch_size=opts.batch_size,
+        seed=opts.seed,
+    )
     if not isinstance(data, Iterable):
         raise LearnerError(f"data function {opts.data!r} returned {type(data).__name__}, not an iterable of batches")
     size = len(data) if isinstance(data, Sized) else None

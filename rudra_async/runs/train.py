@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import TrainConfig
+from ..config import LearnerConfig, TrainConfig
 from ..errors import RudraError
 from ..layout import Shard
 from ..options import to_args
@@ -22,21 +22,16 @@ from ..server import ParameterServer
 
 
 def learner_command(cfg: TrainConfig, url: str, index: int, steps: int | None) -> list[str]:
-    options = replace(cfg.learner, steps=steps)
-    return [
-        sys.executable,
-        "-m",
-        "rudra_async",
-        "learner",
-        "--connect",
-        url,
-        "--index",
-        str(index),
-        "--name",
-        f"learner-{index}",
-        "--json",
-        *to_args(options),
-    ]
+    """The command of learner ``index`` of the run: ``rudra-async learner`` with the run's options."""
+    config = LearnerConfig(
+        connect=url,
+        index=index,
+        learners=cfg.learners,
+        name=f"learner-{index}",
+        passes=cfg.passes_per_learner(),
+        options=replace(cfg.learner, steps=steps),
+    )
+    return [sys.executable, "-m", "rudra_async", "learner", "--json", *to_args(config)]
 
 
 async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -44,14 +39,15 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     from ..learner import data as datasets
 
     cfg.validate()
-    dataset = datasets.load(cfg.learner.dataset)
-    steps = cfg.steps_per_learner(len(dataset.y_train))
+    dataset = datasets.load(cfg.learner.dataset) if cfg.learner.data is None else None
+    n_train = len(dataset.y_train) if dataset is not None else None
+    steps = cfg.steps_per_learner(n_train or 0)
     started = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.learner.threads), "MKL_NUM_THREADS": str(cfg.learner.threads)}
     async with contextlib.AsyncExitStack() as stack:
         servers = [
             await stack.enter_async_context(
-                ParameterServer(cfg.server_config(cfg.listen_url(), len(dataset.y_train), Shard(i, cfg.shards)))
+                ParameterServer(cfg.server_config(cfg.listen_url(), n_train, Shard(i, cfg.shards)))
             )
             for i in range(cfg.shards)
         ]
@@ -101,13 +97,17 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
 def summarize(
     cfg: TrainConfig, server: ParameterServer, dataset: Any, weights: np.ndarray | None = None
 ) -> dict[str, Any]:
-    """The results of a finished run: configuration, final test accuracy, statistics.
-    ``weights``: the whole model's (default: the server's; a shard group's, joined)."""
+    """The results of a finished run: configuration, final test accuracy (with a built-in
+    data set; None with --data), statistics. ``weights``: the whole model's (default: the
+    server's; a shard group's, joined)."""
     from ..learner.evaluation import bind, build_model, evaluate
 
-    model = build_model(cfg.learner.model, dataset, cfg.learner.seed)
-    bind(model).host_weights[:] = server.core.store.weights if weights is None else weights  # type: ignore[union-attr]
-    accuracy, test_loss = evaluate(model, dataset.x_test, dataset.y_test)
+    accuracy: float | None = None
+    test_loss: float | None = None
+    if dataset is not None:
+        model = build_model(cfg.learner.model, dataset, cfg.learner.seed)
+        bind(model).host_weights[:] = server.core.store.weights if weights is None else weights  # type: ignore[union-attr]
+        accuracy, test_loss = evaluate(model, dataset.x_test, dataset.y_test)
     stats = server.stats()
     return {
         "protocol": cfg.server.protocol,
@@ -125,7 +125,7 @@ def summarize(
         "dropped": stats["dropped"],
         "samples": stats["samples"],
         "test_accuracy": accuracy,
-        "test_error": 1.0 - accuracy,
+        "test_error": None if accuracy is None else 1.0 - accuracy,
         "test_loss": test_loss,
         "staleness_mean": stats["staleness_mean"],
         "staleness_max": stats["staleness_max"],

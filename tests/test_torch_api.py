@@ -1,0 +1,233 @@
+"""The PyTorch API (rudra_async.torch): exactness against torch.optim.SGD, buffers, overlap,
+shards and bad input, with real servers on loopback and learners in threads."""
+
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+import torch
+from helpers import server_thread
+from torch import nn
+
+import rudra_async.torch as rt
+from rudra_async.errors import LearnerError, RemoteError
+from rudra_async.layout import Shard
+
+pytestmark = pytest.mark.torch
+
+LAM, MU, STEPS = 3, 8, 12
+
+
+def net(seed=0) -> nn.Module:
+    """A frozen input layer, then two trainable layers (the model of the exactness test)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    model[0].requires_grad_(False)
+    return model
+
+
+def two_groups(model: nn.Module) -> torch.optim.SGD:
+    """Different lr and weight decay per group, momentum with Nesterov for both."""
+    return torch.optim.SGD(
+        [
+            {"params": model[4].parameters(), "lr": 0.2, "weight_decay": 0.0},
+            {"params": model[2].parameters(), "lr": 0.05, "weight_decay": 0.01},
+        ],
+        lr=0.1,
+        momentum=0.9,
+        nesterov=True,
+    )
+
+
+def batches(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(STEPS * LAM * MU, 6, generator=g)
+    return x, torch.randint(0, 3, (len(x),), generator=g)
+
+
+def params_of(model: nn.Module) -> list[np.ndarray]:
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def test_hardsync_learners_equal_torch_sgd_on_the_concatenated_batches_every_step():
+    x, y = batches()
+    reference = net()
+    ref_opt = two_groups(reference)
+    with server_thread(protocol="hardsync", lr=0.1, momentum=0.9, nesterov=True, kernel="numpy") as ps:
+        models = [net() for _ in range(LAM)]
+        opts = [rt.DistributedOptimizer(m, ps.addresses[0], optimizer=two_groups(m)) for m in models]
+        after = [[None] * STEPS for _ in range(LAM)]
+
+        def learn(k: int) -> None:
+            for step in range(STEPS):
+                lo = (step * LAM + k) * MU
+                opts[k].zero_grad()
+                nn.functional.cross_entropy(models[k](x[lo : lo + MU]), y[lo : lo + MU]).backward()
+                opts[k].step(samples=MU)
+                after[k][step] = params_of(models[k])
+
+        threads = [threading.Thread(target=learn, args=(k,)) for k in range(LAM)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for step in range(STEPS):
+            lo = step * LAM * MU
+            ref_opt.zero_grad()
+            nn.functional.cross_entropy(reference(x[lo : lo + LAM * MU]), y[lo : lo + LAM * MU]).backward()
+            ref_opt.step()
+            for k in range(LAM):
+                for got, want in zip(after[k][step], params_of(reference)):
+                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"learner {k}, step {step}")
+        assert ps.stats()["staleness_max"] == 0 and ps.clock == STEPS
+        assert [len(opt.flat.layout.tensors) for opt in opts] == [4] * LAM  # the frozen layer stays home
+        for opt in opts:
+            opt.close()
+
+
+def test_buffers_stay_with_the_learner_and_follow_its_own_forward_passes():
+    """Documented rule: buffers (BatchNorm running statistics) are not sent; each learner's
+    follow its own batches. With BatchNorm first, the running mean is the moving average of
+    the input batch means the learner saw, whatever the weights."""
+    with server_thread(protocol="async", lr=0.05, kernel="numpy") as ps:
+        models, opts, seen = [], [], []
+        for k in range(2):
+            torch.manual_seed(0)
+            models.append(nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2)))
+            opts.append(rt.DistributedOptimizer(models[k], ps.addresses[0]))
+            seen.append(torch.zeros(4))
+        names = [t.name for t in opts[0].flat.layout.tensors]
+        assert names == ["0.weight", "0.bias", "1.weight", "1.bias"]  # no running_mean/var
+        g = torch.Generator().manual_seed(2)
+        for _ in range(10):
+            for k in range(2):
+                xb = torch.randn(16, 4, generator=g) + 3.0 * k  # the learners see different data
+                opts[k].zero_grad()
+                nn.functional.cross_entropy(models[k](xb), torch.zeros(16, dtype=torch.long)).backward()
+                opts[k].step(samples=16)
+                seen[k] = 0.9 * seen[k] + 0.1 * xb.mean(0)
+        for k in range(2):
+            torch.testing.assert_close(models[k][0].running_mean, seen[k])
+        assert not torch.allclose(models[0][0].running_mean, models[1][0].running_mean)
+        for opt in opts:
+            opt.close()
+
+
+def test_overlap_adds_one_step_of_staleness_and_equals_sgd_on_one_step_old_weights():
+    """One learner, async: without overlap every σ = 0; with it every gradient but the first
+    is computed on weights one update old."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    for overlap, expected in ((False, {"0": 10}), (True, {"0": 1, "1": 9})):
+        with server_thread(protocol="async", lr=0.1, momentum=0.9, kernel="numpy") as ps:
+            model = net()
+            with rt.DistributedOptimizer(model, ps.addresses[0], overlap=overlap) as opt:
+                for _ in range(10):
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    assert opt.step(samples=64)
+            assert ps.stats()["staleness_histogram"] == expected and ps.clock == 10
+
+
+def test_a_model_whose_layout_differs_is_refused_and_the_server_goes_on():
+    with server_thread(protocol="async", kernel="numpy") as ps:
+        good = rt.DistributedOptimizer(net(), ps.addresses[0])
+        with pytest.raises(RemoteError) as info:
+            rt.DistributedOptimizer(nn.Linear(3, 3), ps.addresses[0])
+        assert info.value.code == "layout_mismatch"
+        other = net()
+        in_layout_order = torch.optim.SGD(
+            [{"params": other[2].parameters(), "lr": 0.05}, {"params": other[4].parameters(), "lr": 0.2}], momentum=0.9
+        )
+        with pytest.raises(RemoteError) as info:  # the same layout, other parameter groups
+            rt.DistributedOptimizer(other, ps.addresses[0], optimizer=in_layout_order)
+        assert info.value.code == "groups_mismatch"
+        good.zero_grad()
+        nn.functional.cross_entropy(good.model(torch.randn(4, 6)), torch.zeros(4, dtype=torch.long)).backward()
+        assert good.step() and ps.clock == 1
+        good.close()
+
+
+def test_an_unused_layer_and_a_mismatched_optimizer_are_clear_errors():
+    with server_thread(protocol="async", momentum=0.9, kernel="numpy") as ps:
+        model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+        opt = rt.DistributedOptimizer(model, ps.addresses[0])
+        opt.zero_grad()
+        model["used"](torch.randn(4, 3)).sum().backward()
+        with pytest.raises(LearnerError, match=r"no gradient for parameter\(s\) unused.weight, unused.bias"):
+            opt.step()
+        opt.close()
+    with server_thread(protocol="async", momentum=0.9, kernel="numpy") as ps:
+        plain = nn.Linear(3, 2)
+        with pytest.raises(LearnerError, match=r"the optimizer's momentum is 0\.5, the server's is 0\.9"):
+            rt.DistributedOptimizer(plain, ps.addresses[0], optimizer=torch.optim.SGD(plain.parameters(), 0.1, 0.5))
+        with pytest.raises(LearnerError, match="the server applies SGD; Adam cannot be run there"):
+            rt.DistributedOptimizer(plain, ps.addresses[0], optimizer=torch.optim.Adam(plain.parameters()))
+        assert ps.clock == 0 and ps.stats()["gradients"] == 0
+
+
+def test_a_torch_zero_grad_that_sets_gradients_to_none_is_tolerated():
+    with server_thread(protocol="async", lr=0.5, momentum=0.0, kernel="numpy") as ps:
+        model = nn.Linear(3, 1, bias=False)
+        torch_opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        opt = rt.DistributedOptimizer(model, ps.addresses[0], optimizer=torch_opt)
+        before = model.weight.detach().clone()
+        torch_opt.zero_grad()  # set_to_none=True: backward makes a fresh .grad
+        x = torch.ones(1, 3)
+        model(x).sum().backward()
+        opt.step()
+        torch.testing.assert_close(model.weight.detach(), before - 0.5 * x)
+        opt.close()
+
+
+def test_shards_given_as_a_list_train_like_one_server():
+    x, y = batches()
+    results = []
+    for count in (1, 2):
+        with contextlib.ExitStack() as stack:
+            group = [
+                stack.enter_context(server_thread(protocol="async", lr=0.1, momentum=0.9, shard=Shard(i, count)))
+                for i in range(count)
+            ]
+            model = net()
+            with rt.DistributedOptimizer(model, [ps.addresses[0] for ps in group]) as opt:
+                for step in range(STEPS):
+                    xb, yb = x[step * MU : (step + 1) * MU], y[step * MU : (step + 1) * MU]
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(xb), yb).backward()
+                    opt.step()
+            assert [ps.clock for ps in group] == [STEPS] * count
+            results.append(params_of(model))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device visible to torch")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_model_on_the_gpu_trains_like_torch_sgd_on_the_gpu(overlap):
+    """GPU learner against a CPU server: gradients leave through pinned buffers on a side
+    stream and weights come back the same way; equal to torch.optim.SGD run on the device."""
+    device = torch.device("cuda")
+    x, y = (t.to(device) for t in batches())
+    reference = net().to(device)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    with server_thread(protocol="async", lr=0.1, momentum=0.9, kernel="numpy") as ps:
+        model = net().to(device)
+        with rt.DistributedOptimizer(model, ps.addresses[0], overlap=overlap) as opt:
+            assert opt.flat.device.type == "cuda"
+            for step in range(STEPS):
+                xb, yb = x[step * MU : (step + 1) * MU], y[step * MU : (step + 1) * MU]
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(xb), yb).backward()
+                opt.step()
+                if not overlap:
+                    ref_opt.zero_grad()
+                    nn.functional.cross_entropy(reference(xb), yb).backward()
+                    ref_opt.step()
+                    for got, want in zip(model.parameters(), reference.parameters()):
+                        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert ps.clock == STEPS
+        if overlap:
+            assert ps.stats()["staleness_histogram"] == {"0": 1, "1": STEPS - 1}
