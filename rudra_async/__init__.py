@@ -17,6 +17,7 @@ from .errors import (
     ConfigError,
     ConnectError,
     ConnectionClosed,
+    LearnerError,
     PeerGone,
     RemoteError,
     RequestError,
@@ -44,6 +45,7 @@ __all__ = [  # noqa: RUF022 (grouped: the entry points, then the errors)
     "PeerGone",
     "RemoteError",
     "CheckpointError",
+    "LearnerError",
 ]
 
 #: lazily imported names -> the module that defines them
