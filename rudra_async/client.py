@@ -13,18 +13,17 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Protocol, TypeVar, Union
 
 import numpy as np
 
 from . import transports
 from .errors import RemoteError, RudraError, TransportError
-from .eventloop import PrivateLoop
+from .eventloop import PrivateLoop, run_sync
 from .layout import Layout, Shard
-from .transports.base import Connection
-from .wire import Frame, Limits, MsgType
+from .wire import Allocator, Frame, Limits, MsgType
 
 __all__ = [
     "Ack",
@@ -37,6 +36,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 Stamp = Union[int, tuple[int, ...]]  # noqa: UP007 (a runtime alias: X | Y needs Python 3.10 types)  # a server clock; one per shard for a sharded group
@@ -76,10 +76,39 @@ class Ack:
     stop: bool
 
 
-class Client:
-    """One learner's connection. Create with :meth:`connect`."""
+class Channel(Protocol):
+    """What a client needs of a connection: an asyncio :class:`~rudra_async.transports.base.Connection`,
+    or a :class:`~rudra_async.transports.blocking.BlockingConnection` whose coroutines never suspend."""
 
-    def __init__(self, conn: Connection, welcome: dict[str, Any]) -> None:
+    peer: str
+    allocator: Allocator | None
+
+    @property
+    def is_closed(self) -> bool: ...
+
+    async def send(
+        self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()
+    ) -> None: ...
+
+    async def recv(self) -> Frame: ...
+
+    def close(self) -> None: ...
+
+
+async def _within(operation: Awaitable[T], timeout: float) -> T:
+    """``operation`` with a deadline; driven without an event loop (a blocking channel), the
+    channel's own socket timeout is the deadline."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return await operation
+    return await asyncio.wait_for(operation, timeout)
+
+
+class Client:
+    """One learner's connection. Create with :meth:`connect` (or :meth:`hello` on a channel)."""
+
+    def __init__(self, conn: Channel, welcome: dict[str, Any]) -> None:
         self.conn = conn
         self.welcome = welcome  # the server's WELCOME (docs/wire.md): its groups, momentum, protocol, ...
         self.learner_id: int = welcome["learner_id"]
@@ -109,6 +138,21 @@ class Client:
         and ``groups`` (``[[tensors, lr, weight_decay], ...]``, docs/wire.md) its parameter groups.
         For one shard of a sharded group, pass ``shard`` and only that shard's part of ``initial``."""
         conn = await transports.connect(url, limits=limits, timeout=timeout)
+        return await cls.hello(conn, layout, initial, name=name, timeout=timeout, shard=shard, groups=groups)
+
+    @classmethod
+    async def hello(
+        cls,
+        conn: Channel,
+        layout: Layout,
+        initial: np.ndarray | None = None,
+        *,
+        name: str | None = None,
+        timeout: float = 10.0,
+        shard: Shard | None = None,
+        groups: Sequence[Sequence[Any]] | None = None,
+    ) -> Client:
+        """Register on an open connection (see :meth:`connect`); the connection is closed on failure."""
         try:
             meta = {"name": name or f"{socket.gethostname()}:{os.getpid()}", "layout": layout.to_wire(), "seq": 0}
             if shard is not None:
@@ -117,7 +161,7 @@ class Client:
                 meta["groups"] = [list(g) for g in groups]
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
             await conn.send(MsgType.HELLO, meta, arrays)
-            reply = await asyncio.wait_for(conn.recv(), timeout)
+            reply = await _within(conn.recv(), timeout)
             welcome = _check(reply, MsgType.WELCOME).meta
             reply.release()
         except BaseException:
@@ -190,8 +234,8 @@ class Client:
         """Say bye (best effort) and close. Idempotent."""
         if not self.conn.is_closed:
             try:
-                await asyncio.wait_for(self._request(MsgType.BYE, {}), 5.0)
-            except (RudraError, asyncio.TimeoutError):
+                await _within(self._request(MsgType.BYE, {}), 5.0)
+            except (RudraError, TimeoutError, asyncio.TimeoutError):
                 pass
         self.conn.close()
 
@@ -331,17 +375,23 @@ async def connect(url: str, layout: Layout, initial: np.ndarray | None = None, *
 
 
 class SyncClient:
-    """Blocking wrapper over :class:`Client` (or :class:`ShardedClient`, when ``url`` lists
-    several shards) with its own event loop (uvloop when available)."""
+    """Blocking form of :class:`Client` (or of :class:`ShardedClient`, when ``url`` lists
+    several shards), for code that is not async.
+
+    Over a transport with a blocking connection (``tcp://``), the asyncio client's code runs
+    on a blocking socket with no event loop at all (:func:`~rudra_async.eventloop.run_sync`),
+    so a round trip costs what the asyncio client's does; otherwise it drives the asyncio
+    client on a private event loop (uvloop when available)."""
 
     def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
-        self._runner = PrivateLoop()
+        self._loop: PrivateLoop | None = None
+        self._run: Callable[[Coroutine[Any, Any, Any]], Any] = run_sync
         kept = None if initial is None else np.array(initial, np.float32, copy=True)  # for a restarted server
         self._connect_args = (url, layout, kept, kwargs)
         try:
             self._client = self._connect()
         except BaseException:
-            self._runner.close()
+            self._close_loop()
             raise
 
     def reconnect(self, within: float, retry_every: float = 0.5) -> Weights:
@@ -351,7 +401,7 @@ class SyncClient:
         sent again (a server restarted without a checkpoint starts from them). The learner
         id may change."""
         buffer = self._client.weights
-        self._runner.run(self._client.close())
+        self._run(self._client.close())
         deadline = time.monotonic() + within
         while True:
             try:
@@ -359,7 +409,7 @@ class SyncClient:
                 self._client.weights = buffer
                 weights = self.pull()
                 break
-            except (TransportError, asyncio.TimeoutError):
+            except (TransportError, TimeoutError, asyncio.TimeoutError):
                 if time.monotonic() + retry_every > deadline:
                     raise
                 time.sleep(retry_every)
@@ -368,7 +418,21 @@ class SyncClient:
 
     def _connect(self) -> Client | ShardedClient:
         url, layout, initial, kwargs = self._connect_args
-        return self._runner.run(connect(url, layout, initial, **kwargs))
+        limits, timeout = kwargs.get("limits", Limits()), kwargs.get("timeout", 10.0)
+        channel = (
+            None if "," in url else transports.transport_for(url).connect_blocking(url, limits=limits, timeout=timeout)
+        )
+        if channel is None:
+            self._loop = self._loop or PrivateLoop()
+            self._run = self._loop.run
+            client: Client | ShardedClient = self._loop.run(connect(url, layout, initial, **kwargs))
+            return client
+        self._run = run_sync
+        hello_kwargs = {k: v for k, v in kwargs.items() if k != "limits"}
+        channel.settimeout(timeout)  # the deadline of the hello
+        client = run_sync(Client.hello(channel, layout, initial, **hello_kwargs))
+        channel.settimeout(None)
+        return client
 
     @property
     def learner_id(self) -> int:
@@ -393,23 +457,31 @@ class SyncClient:
         self._client.weights = buffer.reshape(-1)
 
     def pull(self, newer_than: Stamp = -1) -> Weights:
-        return self._runner.run(self._client.pull(newer_than))
+        weights: Weights = self._run(self._client.pull(newer_than))
+        return weights
 
     def push(
         self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Ack:
-        return self._runner.run(self._client.push(grad, timestamp, step, samples, loss))
+        ack: Ack = self._run(self._client.push(grad, timestamp, step, samples, loss))
+        return ack
 
     def push_pull(
         self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Weights:
-        return self._runner.run(self._client.push_pull(grad, timestamp, step, samples, loss))
+        weights: Weights = self._run(self._client.push_pull(grad, timestamp, step, samples, loss))
+        return weights
 
     def close(self) -> None:
+        """Say bye and close (and the private event loop, if any). Idempotent."""
         try:
-            self._runner.run(self._client.close())
+            self._run(self._client.close())
         finally:
-            self._runner.close()
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
 
     def __enter__(self) -> SyncClient:
         return self

@@ -38,6 +38,18 @@ def run(main: Coroutine[Any, Any, T]) -> T:
             loop.close()
 
 
+def run_sync(main: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (it awaits only blocking I/O, such as a
+    :class:`~rudra_async.transports.blocking.BlockingConnection`) to its end, with no event loop."""
+    try:
+        main.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    main.close()
+    raise RuntimeError("the coroutine suspended: it needs an event loop (use run or PrivateLoop)")
+
+
 class PrivateLoop:
     """An event loop owned by blocking code (e.g. a training loop): :meth:`run` drives it
     until one coroutine is done. Cheap per call: no task repr, no signal handlers."""

@@ -75,13 +75,16 @@ import collections
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from ..errors import ConfigError, ConnectionClosed, PeerGone, RudraError, WireError
 from ..wire import Allocator, Frame, FrameReader, Limits
+
+if TYPE_CHECKING:
+    from .blocking import BlockingConnection
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +284,8 @@ class Transport(abc.ABC):
       process can reach it; e.g. ``memory://``). The conformance suite then skips the
       crash check and ``train`` refuses it for learner processes.
     - :meth:`shared_memory`: memory this transport sends without copying, or None.
+    - :meth:`connect_blocking`: a blocking connection for code without an event loop (the
+      blocking client uses it, and otherwise drives the asyncio one), or None.
     """
 
     scheme: str = ""
@@ -296,6 +301,11 @@ class Transport(abc.ABC):
 
     def shared_memory(self) -> SharedMemory | None:
         """Memory this transport sends by reference (see :class:`SharedMemory`), or None."""
+        return None
+
+    def connect_blocking(self, url: str, *, limits: Limits, timeout: float) -> BlockingConnection | None:
+        """A blocking connection to ``url`` (see :mod:`rudra_async.transports.blocking`), or None
+        when this transport has none."""
         return None
 
 

@@ -6,6 +6,7 @@ import asyncio
 
 from ..wire import Limits
 from .base import OnConnection, Transport, format_host_port, parse_host_port
+from .blocking import BlockingConnection, connect_tcp
 from .stream import StreamConnection, StreamListener, open_stream, start_listener
 
 
@@ -35,6 +36,10 @@ class TcpTransport(Transport):
         sockname = listener._server.sockets[0].getsockname()  # type: ignore[union-attr]
         listener.address = format_host_port("tcp", sockname[0], sockname[1])
         return listener
+
+    def connect_blocking(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> BlockingConnection:
+        host, port = parse_url(url)
+        return connect_tcp(host, port, url, limits, timeout)
 
 
 transport = TcpTransport()

@@ -1,0 +1,120 @@
+"""Frames over a blocking socket, for code that has no event loop (a training script).
+
+:class:`BlockingConnection` speaks exactly the stream transport's bytes (so the server
+cannot tell the difference): ``sendmsg`` over views of the caller's arrays, ``recv_into``
+straight into the :class:`~rudra_async.wire.FrameReader`'s buffers. Its ``send`` and
+``recv`` are coroutines that never suspend: the asyncio :class:`~rudra_async.client.Client`
+runs on it unchanged, driven by :func:`rudra_async.eventloop.run_sync`, without the cost of
+starting an event loop for every request.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConnectError, ConnectionClosed, PeerGone, WireError
+from ..wire import Allocator, Frame, FrameReader, Limits, encode_frame
+from .base import format_host_port
+
+IOV_MAX = 1024  # buffers one sendmsg call takes (Linux allows 1024)
+
+
+class BlockingConnection:
+    """One blocking stream of frames (the subset of ``Connection`` a client uses)."""
+
+    def __init__(self, sock: socket.socket, limits: Limits, peer: str) -> None:
+        self._sock = sock
+        self.limits = limits
+        self.peer = peer
+        self._reader = FrameReader(limits)
+        self._frames: list[Frame] = []
+        self._closed = False
+        self._lost: BaseException | None = None
+
+    @property
+    def allocator(self) -> Allocator | None:
+        return self._reader.allocate
+
+    @allocator.setter
+    def allocator(self, value: Allocator | None) -> None:
+        self._reader.allocate = value
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed or self._lost is not None
+
+    async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
+        """Send one frame; returns when the kernel has every byte (the arrays may change)."""
+        self._check_open()
+        views = [memoryview(part).cast("B") for part in encode_frame(msg_type, meta, arrays, self.limits)]
+        try:
+            while views:
+                sent = self._sock.sendmsg(views[:IOV_MAX])
+                while views and sent >= len(views[0]):
+                    sent -= len(views.pop(0))
+                if sent:
+                    views[0] = views[0][sent:]
+        except OSError as exc:
+            raise self._gone(f"connection lost while sending: {exc}") from None
+
+    async def recv(self) -> Frame:
+        """The next frame. Raises PeerGone, ConnectionClosed or a fatal WireError."""
+        while not self._frames:
+            self._check_open()
+            buf = self._reader.get_buffer()
+            try:
+                n = self._sock.recv_into(buf)
+            except TimeoutError:
+                raise  # the caller's deadline (socket timeout) passed
+            except OSError as exc:
+                raise self._gone(f"connection lost: {exc}") from None
+            if n == 0:
+                raise self._gone("connection lost in the middle of a frame" if self._reader.mid_frame
+                                 else "connection closed by peer")  # fmt: skip
+            try:
+                self._frames += self._reader.advance(n)
+            except WireError:
+                self._lost = PeerGone("the byte stream lost its framing")
+                raise
+        return self._frames.pop(0)
+
+    def settimeout(self, seconds: float | None) -> None:
+        """Deadline for each blocking call (None: wait as long as it takes)."""
+        self._sock.settimeout(seconds)
+
+    def close(self) -> None:
+        """Close this end. Idempotent; never raises."""
+        if not self._closed:
+            self._closed = True
+            for frame in self._frames:
+                frame.release()
+            self._frames.clear()
+            self._sock.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionClosed("connection closed locally")
+        if self._lost is not None:
+            raise self._lost
+
+    def _gone(self, why: str) -> PeerGone:
+        self._lost = PeerGone(why)
+        return self._lost
+
+
+def connect_tcp(host: str, port: int, url: str, limits: Limits, timeout: float) -> BlockingConnection:
+    """A blocking TCP connection (TCP_NODELAY); ConnectError at once if refused, or after ``timeout``."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError:
+        raise ConnectError(f"cannot connect to {url}: no answer within {timeout:g} s") from None
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to {url}: {exc.strerror or exc}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)
+    peer = sock.getpeername()
+    return BlockingConnection(sock, limits, format_host_port("tcp", peer[0], peer[1]))
