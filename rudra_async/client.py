@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar, Union
 import numpy as np
 
 from . import transports
-from .errors import RemoteError, RudraError, TransportError
+from .errors import ConnectError, RemoteError, RudraError, TransportError
 from .eventloop import PrivateLoop, run_sync
 from .layout import Layout, Shard
 from .wire import Allocator, Frame, Limits, MsgType
@@ -161,7 +161,10 @@ class Client:
                 meta["groups"] = [list(g) for g in groups]
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
             await conn.send(MsgType.HELLO, meta, arrays)
-            reply = await _within(conn.recv(), timeout)
+            try:
+                reply = await _within(conn.recv(), timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise ConnectError(f"{conn.peer} did not answer the hello within {timeout:g} s") from None
             welcome = _check(reply, MsgType.WELCOME).meta
             reply.release()
         except BaseException:

@@ -1,0 +1,84 @@
+"""The blocking client: the asyncio client's code on a blocking socket (tcp) or on a private
+event loop (other transports), with the same results and the same errors."""
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+from helpers import free_port, initial_weights, server_thread, small_layout
+
+from rudra_async.client import SyncClient
+from rudra_async.errors import ConnectError, ConnectionClosed, PeerGone
+from rudra_async.eventloop import run_sync
+from rudra_async.transports.blocking import BlockingConnection
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "shm"])
+def test_both_paths_train_alike(scheme):
+    layout, grad = small_layout(), np.full(small_layout().size, 0.5, np.float32)
+    listen = "tcp://127.0.0.1:0" if scheme == "tcp" else "shm://"
+    with (
+        server_thread(listen=[listen], lr=0.1, momentum=0.0, kernel="numpy") as ps,
+        SyncClient(ps.addresses[0], layout, initial_weights(layout)) as client,
+    ):
+        assert isinstance(client._client.conn, BlockingConnection) == (scheme == "tcp")
+        w = client.pull()
+        for _ in range(3):
+            w = client.push_pull(grad, w.timestamp)
+        ack = client.push(grad, w.timestamp)
+        assert (w.timestamp, ack.status, ack.staleness) == (3, "applied", 0)
+        np.testing.assert_allclose(client.pull().array, initial_weights(layout) - 0.4 * grad, rtol=1e-6)
+
+
+def test_a_lost_server_and_a_closed_client_raise_the_transport_errors():
+    layout = small_layout()
+    with server_thread(lr=0.1, kernel="numpy") as ps:
+        client = SyncClient(ps.addresses[0], layout, initial_weights(layout))
+        client.pull()
+    with pytest.raises(PeerGone):  # the server closed every connection
+        client.pull()
+    client.close()
+    with pytest.raises(ConnectionClosed):
+        client.pull()
+
+
+def test_a_refused_address_and_a_silent_server_are_clear_errors():
+    with pytest.raises(ConnectError, match=r"cannot connect to tcp://127\.0\.0\.1:"):
+        SyncClient(f"tcp://127.0.0.1:{free_port()}", small_layout())
+    with socket.socket() as silent:  # accepts, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        with pytest.raises(ConnectError, match=r"did not answer the hello within 0\.5 s"):
+            SyncClient(f"tcp://127.0.0.1:{port}", small_layout(), timeout=0.5)
+
+
+def test_run_sync_refuses_a_coroutine_that_needs_an_event_loop():
+    import asyncio
+
+    async def sleeps():
+        await asyncio.sleep(0)
+
+    with pytest.raises(RuntimeError, match="needs an event loop"):
+        run_sync(sleeps())
+
+
+def test_concurrent_blocking_clients_in_threads():
+    layout = small_layout()
+    grad = np.full(layout.size, 1e-3, np.float32)
+    with server_thread(lr=0.1, momentum=0.0, kernel="numpy") as ps:
+        SyncClient(ps.addresses[0], layout, initial_weights(layout)).close()  # initializes the weights
+
+        def learner():
+            with SyncClient(ps.addresses[0], layout) as client:
+                w = client.pull()
+                for _ in range(50):
+                    w = client.push_pull(grad, w.timestamp)
+
+        threads = [threading.Thread(target=learner) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert ps.clock == 200
