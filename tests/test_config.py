@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from rudra_async.cli import main
-from rudra_async.config import LaunchConfig, LearnerConfig, LearnerOptions, ServerConfig, TrainConfig
+from rudra_async.config import LaunchConfig, LearnerConfig, ServerConfig, TrainConfig
 from rudra_async.errors import ConfigError
 from rudra_async.layout import Shard
-from rudra_async.options import flat_fields, from_flat, to_args
+from rudra_async.options import flat_fields, from_flat
 from rudra_async.runs.study import POINT_KEYS, expand
 
 COMMANDS = {
@@ -81,15 +81,3 @@ def test_values_are_type_checked_and_unknown_keys_name_the_nearest():
 def test_every_numeric_setting_is_checked_for_finiteness_and_range(setting, message):
     with pytest.raises(ConfigError, match=message):
         ServerConfig(**setting).validate()
-
-
-def test_a_learners_arguments_parse_back_into_the_same_configuration():
-    cfg = LearnerConfig(
-        connect="tcp://127.0.0.1:1",
-        index=3,
-        options=LearnerOptions(model="linear", batch_size=8, steps=5, seed=7, reconnect=2.5),
-    )
-    args = ["--connect", cfg.connect, "--index", "3", *to_args(cfg.options)]
-    ctx = main.commands["learner"].make_context("learner", args)
-    kwargs = {k: v for k, v in ctx.params.items() if k != "as_json"}
-    assert from_flat(LearnerConfig, kwargs) == cfg

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -17,21 +14,23 @@ import numpy as np
 from ..config import LearnerConfig, TrainConfig
 from ..errors import RudraError
 from ..layout import Shard
-from ..options import to_args
 from ..server import ParameterServer
+from .learners import LearnerGroup, warm_up
 
 
-def learner_command(cfg: TrainConfig, url: str, index: int, steps: int | None) -> list[str]:
-    """The command of learner ``index`` of the run: ``rudra-async learner`` with the run's options."""
-    config = LearnerConfig(
-        connect=url,
-        index=index,
-        learners=cfg.learners,
-        name=f"learner-{index}",
-        passes=cfg.passes_per_learner(),
-        options=replace(cfg.learner, steps=steps),
-    )
-    return [sys.executable, "-m", "rudra_async", "learner", "--json", *to_args(config)]
+def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[LearnerConfig]:
+    """The configuration of every learner of the run."""
+    return [
+        LearnerConfig(
+            connect=url,
+            index=i,
+            learners=cfg.learners,
+            name=f"learner-{i}",
+            passes=cfg.passes_per_learner(),
+            options=replace(cfg.learner, steps=steps),
+        )
+        for i in range(cfg.learners)
+    ]
 
 
 async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -39,11 +38,11 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     from ..learner import data as datasets
 
     cfg.validate()
+    warm_up()  # learners' imports (torch) start now, beside the server's start-up
+    started = time.monotonic()
     dataset = datasets.load(cfg.learner.dataset) if cfg.learner.data is None else None
     n_train = len(dataset.y_train) if dataset is not None else None
     steps = cfg.steps_per_learner(n_train or 0)
-    started = time.monotonic()
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.learner.threads), "MKL_NUM_THREADS": str(cfg.learner.threads)}
     async with contextlib.AsyncExitStack() as stack:
         servers = [
             await stack.enter_async_context(
@@ -52,34 +51,17 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
             for i in range(cfg.shards)
         ]
         server = servers[0]  # progress, statistics and timing come from shard 0
-        url = ",".join(s.addresses[0] for s in servers)
-        procs = [
-            await asyncio.create_subprocess_exec(
-                *learner_command(cfg, url, i, steps), stdout=asyncio.subprocess.PIPE, env=env
-            )
-            for i in range(cfg.learners)
-        ]
+        group = LearnerGroup(learner_configs(cfg, ",".join(s.addresses[0] for s in servers), steps))
         ticker = asyncio.create_task(_report_progress(server, started, progress)) if progress else None
         try:
-            outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), cfg.timeout)
-        except asyncio.TimeoutError:
-            raise RudraError(f"the run did not finish within {cfg.timeout:g} s; learners were stopped") from None
+            summaries = await group.run(cfg.timeout)
         finally:
             if ticker:
                 ticker.cancel()
-            for p in procs:
-                if p.returncode is None:
-                    p.kill()
-                    await p.wait()
         wall = time.monotonic() - started
-        failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-        if len(failed) == len(procs):
-            raise RudraError(f"every learner failed (exit codes {[p.returncode for p in procs]})")
-        summaries = [
-            json.loads(out.decode().strip().splitlines()[-1])
-            for (out, _), p in zip(outputs, procs)
-            if p.returncode == 0
-        ]
+        failed = group.failed
+        if len(failed) == cfg.learners:
+            raise RudraError(f"every learner failed (exit codes {group.exit_codes})")
         train_s = (server.core.last_update_at or started) - (server.core.first_update_at or started)
         weights = np.concatenate([s.core.store.weights for s in servers])  # type: ignore[union-attr]
         results = summarize(cfg, server, dataset, weights)
@@ -91,6 +73,7 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         "samples_per_s": server.core.samples / train_s if train_s > 0 else 0.0,
         "learners_failed": failed,
         "learner_summaries": summaries,
+        "first_update_unix": time.time() - (time.monotonic() - (server.core.first_update_at or started)),
     }
 
 
