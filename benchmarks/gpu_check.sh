@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU device check, one script, meant to finish well under 3 minutes on a machine with an
-# NVIDIA GPU: the GPU-marked kernel tests, then the kernel benchmark's GPU part (achieved
-# memory bandwidth as a fraction of the device's copy bandwidth, same run).
+# NVIDIA GPU: the GPU-marked tests (the CuPy update kernel; a PyTorch learner on the GPU
+# against a CPU server, equal to torch.optim.SGD on the device, with and without overlap),
+# then the kernel benchmark's GPU part (achieved memory bandwidth as a fraction of the
+# device's copy bandwidth, same run).
 #
 # It uses the machine's python3 as it is (numpy, msgpack, torch and CuPy must import; a
 # CUDA image usually has them) and runs the code from this checkout, installing nothing,
@@ -16,5 +18,5 @@ print("python", __import__("sys").version.split()[0], "| numpy", numpy.__version
       "| cupy", cupy.__version__, "| cupy.is_available():", cupy.is_available())
 assert cupy.is_available(), "CuPy sees no CUDA device"
 PYCODE
-"$PY" -m pytest -q -c benchmarks/gpu_pytest.ini --rootdir . -m gpu tests/test_kernels.py
+"$PY" -m pytest -q -c benchmarks/gpu_pytest.ini --rootdir . -m gpu tests/test_kernels.py tests/test_torch_api.py
 "$PY" benchmarks/kernels.py --gpu --no-cpu --reps 20
