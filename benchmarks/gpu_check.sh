@@ -18,5 +18,5 @@ print("python", __import__("sys").version.split()[0], "| numpy", numpy.__version
       "| cupy", cupy.__version__, "| cupy.is_available():", cupy.is_available())
 assert cupy.is_available(), "CuPy sees no CUDA device"
 PYCODE
-"$PY" -m pytest -q -c benchmarks/gpu_pytest.ini --rootdir . -m gpu tests/test_kernels.py tests/test_torch_api.py
+"$PY" -m pytest -q -p no:asyncio -c benchmarks/gpu_pytest.ini --rootdir . -m gpu tests/test_kernels.py tests/test_torch_api.py
 "$PY" benchmarks/kernels.py --gpu --no-cpu --reps 20
