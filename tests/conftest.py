@@ -1,5 +1,7 @@
 import importlib.util
 
+import pytest
+
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
