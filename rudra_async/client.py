@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ from typing import Any, Union
 
 import numpy as np
 
-from . import transports
-from .errors import RemoteError, RudraError, TransportError
+from . import security, transports
+from .errors import ConnectError, PeerGone, RemoteError, RudraError, TransportError
 from .eventloop import PrivateLoop
 from .layout import Layout, Shard
 from .transports.base import Connection
@@ -87,6 +88,8 @@ class Client:
         self.range: tuple[int, int] = self.shard.range(self.layout.size)  # the part this server holds
         self.protocol: str = welcome.get("protocol", "")
         self.clock: int = welcome.get("clock", 0)
+        #: the checkpoint clock the server resumed from (``--resume``), or None
+        self.resumed_from: int | None = welcome.get("resumed")
         self._seq = 1
         self.weights = np.empty(self.range[1] - self.range[0], np.float32)
         conn.allocator = self._allocate
@@ -102,18 +105,27 @@ class Client:
         timeout: float = 10.0,
         limits: Limits = Limits(),
         shard: Shard | None = None,
+        secret: bytes | str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> Client:
-        """Connect and register. ``initial`` (flat float32) seeds the server if it has no weights.
-        For one shard of a sharded group, pass ``shard`` and only that shard's part of ``initial``."""
-        conn = await transports.connect(url, limits=limits, timeout=timeout)
+        """Connect, authenticate and register. ``initial`` (flat float32) seeds the server if
+        it has no weights. For one shard of a sharded group, pass ``shard`` and only that
+        shard's part of ``initial``. ``secret``: the server's shared secret (default: the
+        ``RUDRA_ASYNC_SECRET`` variable, if set); the server must prove it knows it too.
+        ``tls``: an ``ssl.SSLContext`` (e.g. :func:`rudra_async.security.client_tls`) for a
+        TLS server (tcp only)."""
+        key = security.resolve_secret(secret)
+        conn = await transports.connect(url, limits=limits, timeout=timeout, tls=tls)
         try:
+            if key is not None:
+                await _authenticate(conn, key, url, timeout)
             meta = {"name": name or f"{socket.gethostname()}:{os.getpid()}", "layout": layout.to_wire(), "seq": 0}
             if shard is not None:
                 meta["shard"] = shard.to_wire()
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
             await conn.send(MsgType.HELLO, meta, arrays)
-            reply = await asyncio.wait_for(conn.recv(), timeout)
-            welcome = _check(reply, MsgType.WELCOME).meta
+            reply = await _first_reply(conn, url, timeout, "WELCOME")
+            welcome = _check(reply, MsgType.WELCOME, auth_hint=key is None).meta
             reply.release()
         except BaseException:
             conn.close()
@@ -191,10 +203,49 @@ class Client:
         self.conn.close()
 
 
-def _check(frame: Frame, expected: MsgType) -> Frame:
+async def _first_reply(conn: Connection, url: str, timeout: float, expected: str) -> Frame:
+    """The reply to a handshake request, within ``timeout``; clear errors for silence and for
+    a server that hangs up (e.g. a TLS server spoken to in plain text)."""
+    try:
+        return await asyncio.wait_for(conn.recv(), timeout)
+    except asyncio.TimeoutError:
+        raise ConnectError(f"{url} sent no {expected} within {timeout:g} s (is it a rudra-async server?)") from None
+    except PeerGone as exc:
+        raise ConnectError(
+            f"{url} closed the connection before its {expected} ({exc}); if it uses TLS, connect with a CA "
+            "(--tls-ca); if it requires a secret, give --secret-file or RUDRA_ASYNC_SECRET"
+        ) from None
+
+
+async def _authenticate(conn: Connection, secret: bytes, url: str, timeout: float) -> None:
+    """The handshake of docs/wire.md: prove we know the secret, and make the server prove it."""
+    nonce = security.new_nonce()
+    await conn.send(MsgType.AUTH, {"nonce": nonce})
+    reply = _check(await _first_reply(conn, url, timeout, "CHALLENGE"), MsgType.CHALLENGE)
+    reply.release()
+    server_nonce, proof = reply.meta.get("nonce"), reply.meta.get("proof")
+    if not isinstance(server_nonce, bytes) or len(server_nonce) != len(nonce):
+        raise ConnectError(f"{url} answered the authentication with a malformed challenge")
+    if not security.verify(security.server_proof(secret, nonce, server_nonce), proof):
+        raise ConnectError(
+            f"{url} does not know the secret: it is not the server it claims to be (or the secrets differ)"
+        )
+    await conn.send(MsgType.PROOF, {"proof": security.client_proof(secret, nonce, server_nonce)})
+    _check(await _first_reply(conn, url, timeout, "AUTHENTICATED"), MsgType.AUTHENTICATED).release()
+
+
+def _check(frame: Frame, expected: MsgType, auth_hint: bool = False) -> Frame:
     if frame.msg_type == MsgType.ERROR:
         frame.release()
-        raise RemoteError(str(frame.meta.get("message", "")), code=str(frame.meta.get("code", "internal")))
+        code = str(frame.meta.get("code", "internal"))
+        message = str(frame.meta.get("message", ""))
+        if code == "auth_required" and auth_hint:
+            message += "; give the secret with --secret-file or RUDRA_ASYNC_SECRET"
+        elif code == "auth_failed":
+            message += " (the secrets differ)"
+        elif code == "auth_unavailable":
+            message += "; this learner has a secret and will not talk to a server that cannot prove it knows it"
+        raise RemoteError(message, code=code)
     if frame.msg_type != expected:
         frame.release()
         raise RudraError(f"expected {expected.name}, got message type {frame.msg_type}")
@@ -251,6 +302,10 @@ class ShardedClient:
     @property
     def learner_id(self) -> int:
         return self.clients[0].learner_id
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.clients[0].resumed_from
 
     @property
     def protocol(self) -> str:
@@ -363,6 +418,11 @@ class SyncClient:
     @property
     def learner_id(self) -> int:
         return self._client.learner_id
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The checkpoint clock the server resumed from (``--resume``), or None."""
+        return self._client.resumed_from
 
     @property
     def layout(self) -> Layout:

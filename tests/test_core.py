@@ -53,8 +53,9 @@ def test_the_first_hello_brings_the_weights_and_later_ones_must_match():
     assert code_of(lambda: hello(core, initial=None)) == "no_weights"
     assert code_of(lambda: hello(core, initial=W0[:-1])) == "no_weights"
     assert code_of(lambda: hello(core, initial=W0.astype(np.float64))) == "no_weights"
-    assert code_of(lambda: hello(core, layout="nonsense")) == "bad_layout"
+    assert code_of(lambda: hello(core, layout="nonsense")) == "bad_request"  # a wrong type (schema)
     assert code_of(lambda: hello(core, layout=[["w", [-1]]])) == "bad_layout"
+    assert code_of(lambda: hello(core, layout=[["w", [1] * 33]])) == "bad_layout"
     assert code_of(lambda: hello(core, shard=[1, 2])) == "shard_mismatch"
     assert code_of(lambda: hello(core, shard="x")) == "bad_request"
     assert core.store is None and not core.learners  # nothing refused changed anything

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import security
 from ..client import SyncClient, went_back
 from ..config import LearnerConfig
 from ..errors import ConfigError, RemoteError, TransportError
@@ -114,6 +115,17 @@ def build_model(model: str, dataset: datasets.Dataset, seed: int) -> nn.Module:
     return module
 
 
+def connect_options(cfg: LearnerConfig) -> dict[str, Any]:
+    """The keyword arguments of ``Client.connect`` a learner's configuration gives: its name,
+    timeout, secret (``--secret-file`` or RUDRA_ASYNC_SECRET) and TLS settings."""
+    return {
+        "name": cfg.name,
+        "timeout": cfg.timeout,
+        "secret": security.load_secret(cfg.secret_file),
+        "tls": security.client_tls(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None,
+    }
+
+
 def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     """Train against the server at ``cfg.connect``; returns a summary of this learner's run."""
     opts = cfg.options
@@ -126,7 +138,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     batches = datasets.minibatches(len(y_train), opts.batch_size, rng)
     started = time.monotonic()
     steps, loss_value, reconnects = 0, float("nan"), 0
-    with SyncClient(cfg.connect, flat.layout, flat.weights.numpy(), name=cfg.name, timeout=cfg.timeout) as client:
+    with SyncClient(cfg.connect, flat.layout, flat.weights.numpy(), **connect_options(cfg)) as client:
         client.set_weights_buffer(flat.weights.numpy())
         w = client.pull()
         while not w.stop and (opts.steps is None or steps < opts.steps):
@@ -146,11 +158,19 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                 w = client.reconnect(opts.reconnect)  # this gradient is lost with the connection
                 reconnects += 1
                 if went_back(w.timestamp, last):
-                    log.warning(
-                        "the server's clock went back from %s to %s: it restarted without its checkpoint",
-                        last,
-                        w.timestamp,
-                    )
+                    if client.resumed_from is not None:
+                        log.warning(
+                            "the server resumed from its checkpoint of update %s (it was at %s before; the "
+                            "updates since that checkpoint are lost)",
+                            client.resumed_from,
+                            last,
+                        )
+                    else:
+                        log.warning(
+                            "the server's clock went back from %s to %s: it restarted without its checkpoint",
+                            last,
+                            w.timestamp,
+                        )
                 continue
             steps += 1
         learner_id = client.learner_id

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -14,11 +15,24 @@ from typing import Any
 
 import numpy as np
 
-from ..config import TrainConfig
+from .. import security
+from ..config import ServerConfig, TrainConfig
 from ..errors import RudraError
 from ..layout import Shard
 from ..options import to_args
 from ..server import ParameterServer
+
+
+def learner_security_args(server: ServerConfig, tls_ca: str | None) -> list[str]:
+    """The flags a run's learners need to reach its servers: the secret file (a secret in
+    the environment is inherited) and TLS (a client certificate when the servers ask for one:
+    the servers' own)."""
+    args = ["--secret-file", server.secret_file] if server.secret_file else []
+    if tls_ca:
+        args += ["--tls-ca", tls_ca]
+        if server.tls_client_ca and server.tls_cert:
+            args += ["--tls-cert", server.tls_cert, *(["--tls-key", server.tls_key] if server.tls_key else [])]
+    return args
 
 
 def learner_command(cfg: TrainConfig, url: str, index: int, steps: int | None) -> list[str]:
@@ -35,6 +49,7 @@ def learner_command(cfg: TrainConfig, url: str, index: int, steps: int | None) -
         "--name",
         f"learner-{index}",
         "--json",
+        *learner_security_args(cfg.server, cfg.tls_ca),
         *to_args(options),
     ]
 
@@ -48,10 +63,17 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     steps = cfg.steps_per_learner(len(dataset.y_train))
     started = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.learner.threads), "MKL_NUM_THREADS": str(cfg.learner.threads)}
+    secret = security.load_secret(cfg.server.secret_file)
+    if secret is None:  # a run authenticates its own learners even on loopback (other users share this host)
+        token = secrets.token_hex(32)
+        env[security.SECRET_ENV] = token
+        secret = token.encode()
     async with contextlib.AsyncExitStack() as stack:
         servers = [
             await stack.enter_async_context(
-                ParameterServer(cfg.server_config(cfg.listen_url(), len(dataset.y_train), Shard(i, cfg.shards)))
+                ParameterServer(
+                    cfg.server_config(cfg.listen_url(), len(dataset.y_train), Shard(i, cfg.shards)), secret=secret
+                )
             )
             for i in range(cfg.shards)
         ]

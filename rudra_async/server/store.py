@@ -64,14 +64,32 @@ class WeightStore:
                 if buf is not self._current:
                     self._spares.append(buf)
 
-    def apply(self, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD) -> int:
-        """Fold the gradients into the weights, advance the clock, return it."""
+    def apply(self, grads: Sequence[np.ndarray], scales: Sequence[float], sgd: SGD, *, check: bool = False) -> bool:
+        """Fold the gradients into the weights and advance the clock.
+
+        With ``check``, the new weights are computed into a spare buffer and the momentum is
+        saved first; if any new weight or momentum value is not finite, both stay as they
+        were (the clock still advances) and False is returned."""
         src = self._current
-        dst = src if id(src) not in self._leases else self._spare()
+        if not check:
+            dst = src if id(src) not in self._leases else self._spare()
+            self.updater.apply(src, dst, grads, scales, sgd)
+            self._current = dst
+            self.clock += 1
+            return True
+        saved = self.updater.momentum if sgd.momentum else None
+        dst = self._spare()
         self.updater.apply(src, dst, grads, scales, sgd)
-        self._current = dst
         self.clock += 1
-        return self.clock
+        if np.isfinite(dst).all() and (saved is None or np.isfinite(self.updater.momentum).all()):
+            self._current = dst
+            if id(src) not in self._leases:
+                self._spares.append(src)
+            return True
+        if saved is not None:
+            self.updater.load_momentum(saved)
+        self._spares.append(dst)
+        return False
 
     def _spare(self) -> np.ndarray:
         return self._spares.pop() if self._spares else self._new_buffer()

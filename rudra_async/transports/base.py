@@ -46,6 +46,11 @@ What :class:`Connection` does for a transport: the life cycle and the inbox. ``r
 implements only ``send`` and ``_close_link`` (how its link closes), and reports what
 arrives through the subclass API:
 
+- ``admit(header)`` and ``allocator(...)``, hooks a user of the connection may set (the
+  server does, from the moment a connection is accepted): a transport builds its readers
+  with ``FrameReader(limits, self._allocate, admit=self._admit)`` so both apply from the
+  first byte; a transport that resolves bodies itself (shared memory) calls
+  ``self._admit(header)`` before touching a body.
 - ``_deliver(frame_or_fatal_error)`` queues a frame in the bounded inbox and wakes
   ``recv``; a fatal :class:`~rudra_async.errors.WireError` (then in ``_fatal``) is raised
   by every later ``recv``, and nothing after it is queued. ``_advance(reader, n)`` does this for bytes
@@ -81,7 +86,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..errors import ConfigError, ConnectionClosed, PeerGone, RudraError, WireError
-from ..wire import Allocator, Frame, FrameReader, Limits
+from ..wire import Admit, Allocator, Frame, FrameReader, Header, Limits
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,9 @@ class Connection(abc.ABC):
     #: optional hook choosing where a received body goes (see ``wire.Allocator``); a
     #: transport that hands out bodies in place (shared memory) may ignore it
     allocator: Allocator | None = None
+    #: optional hook checking each incoming header before anything of its frame is
+    #: allocated (see ``wire.Admit``); a server sets it when the connection is accepted
+    admit: Admit | None = None
     #: the inbox is full at this many unconsumed frames ...
     _inbox_frames: int = 8
     #: ... or this many bytes of unconsumed bodies, whichever comes first (one frame is always taken)
@@ -142,6 +150,7 @@ class Connection(abc.ABC):
         if self._closed:
             return
         self._closed = True
+        self.allocator = self.admit = None  # hooks refer back to their owner: no cycle outlives the close
         try:
             self._close_link()
         except Exception:  # the contract: close never raises
@@ -201,6 +210,11 @@ class Connection(abc.ABC):
     def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> memoryview | None:
         """:attr:`allocator` as a ``FrameReader``'s ``allocate`` (it may be set at any time)."""
         return self.allocator(msg_type, meta, nbytes) if self.allocator is not None else None
+
+    def _admit(self, header: Header) -> None:
+        """:attr:`admit` as a ``FrameReader``'s ``admit`` (it may be set at any time)."""
+        if self.admit is not None:
+            self.admit(header)
 
     def _connection_lost(self, reason: PeerGone) -> None:
         """The link broke or the peer closed: ``recv`` raises ``reason`` once the inbox is
@@ -281,18 +295,26 @@ class Transport(abc.ABC):
       process can reach it; e.g. ``memory://``). The conformance suite then skips the
       crash check and ``train`` refuses it for learner processes.
     - :meth:`shared_memory`: memory this transport sends without copying, or None.
+    - ``supports_tls``: ``connect``/``listen`` accept ``tls=ssl_context`` (``tcp`` does).
     """
 
     scheme: str = ""
     in_process: bool = False
+    #: True when ``connect`` and ``listen`` take ``tls=`` (an ``ssl.SSLContext``) and
+    #: ``tls_timeout=`` (seconds for the TLS handshake)
+    supports_tls: bool = False
 
     @abc.abstractmethod
     async def connect(self, url: str, *, limits: Limits, timeout: float) -> Connection:
         """Connect to ``url``; ConnectError at once if refused, or after ``timeout`` seconds."""
 
     @abc.abstractmethod
-    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits) -> Listener:
-        """Listen on ``url``; ConnectError at once if it cannot (e.g. the address is in use)."""
+    async def listen(
+        self, url: str, on_connection: OnConnection, *, limits: Limits, on_accept: OnAccept | None = None
+    ) -> Listener:
+        """Listen on ``url``; ConnectError at once if it cannot (e.g. the address is in use).
+        ``on_accept(conn)`` runs synchronously for each accepted connection before any of
+        its bytes is parsed (``ServingListener`` does this), then ``on_connection(conn)``."""
 
     def shared_memory(self) -> SharedMemory | None:
         """Memory this transport sends by reference (see :class:`SharedMemory`), or None."""
@@ -312,30 +334,49 @@ class Listener(abc.ABC):
 
 
 OnConnection = Callable[[Connection], Awaitable[None]]
+#: called once per accepted connection, synchronously, before any byte from it is parsed
+#: (it may set the connection's ``admit``/``allocator`` hooks, or close it at once)
+OnAccept = Callable[[Connection], None]
 
 
 class ServingListener(Listener):
     """A listener that runs ``on_connection`` once per accepted connection and closes the
     connection when it returns; subclasses only accept (``_spawn`` or ``await _serve``)
-    and stop accepting (``_stop_accepting``)."""
+    and stop accepting (``_stop_accepting``). ``on_accept`` runs first, synchronously:
+    a subclass hands a connection over before reading from it."""
 
-    def __init__(self, on_connection: OnConnection) -> None:
+    def __init__(self, on_connection: OnConnection, on_accept: OnAccept | None = None) -> None:
         self._on_connection = on_connection
+        self._on_accept = on_accept
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.address = ""
 
     def _spawn(self, conn: Connection) -> None:
-        """Serve ``conn`` in a task of its own."""
-        asyncio.get_running_loop().create_task(self._serve(conn))
+        """Serve ``conn`` in a task of its own (``on_accept`` runs now, before this returns)."""
+        self._accepted(conn)
+        asyncio.get_running_loop().create_task(self._serve(conn, accepted=True))
 
-    async def _serve(self, conn: Connection) -> None:
-        """Serve ``conn`` in the current task (for transports that call back in a task)."""
+    def _accepted(self, conn: Connection) -> None:
+        if self._on_accept is not None:
+            try:
+                self._on_accept(conn)
+            except Exception:  # a hook bug must not take the listener down
+                log.exception("accepting %s failed", conn.peer)
+                conn.close()
+
+    async def _serve(self, conn: Connection, *, accepted: bool = False) -> None:
+        """Serve ``conn`` in the current task (for transports that call back in a task);
+        call it before the connection reads anything, so that ``on_accept`` comes first."""
+        if not accepted:
+            self._accepted(conn)
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(conn)
         self._tasks.add(task)
         try:
+            if conn.is_closed:  # refused by on_accept
+                return
             await self._on_connection(conn)
         except (RudraError, asyncio.CancelledError):
             pass
