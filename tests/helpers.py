@@ -21,10 +21,11 @@ LOOPBACK = "tcp://127.0.0.1:0"
 
 
 @contextlib.asynccontextmanager
-async def run_server(**overrides):
-    """A real server on a loopback port chosen by the OS, serving in the background."""
+async def run_server(secret=None, **overrides):
+    """A real server on a loopback port chosen by the OS, serving in the background
+    (``secret``: learners must authenticate)."""
     cfg = ServerConfig(**{"listen": [LOOPBACK], **overrides})
-    async with ParameterServer(cfg) as ps:
+    async with ParameterServer(cfg, secret=secret) as ps:
         task = asyncio.create_task(ps.serve())
         try:
             yield ps

@@ -355,7 +355,8 @@ class ServerCore:
             raise RequestError("gradient contains NaN or infinity", code="bad_gradient")
         bound = self.config.max_grad_norm
         if bound is not None:
-            norm = float(np.linalg.norm(grad))
+            with np.errstate(over="ignore"):  # a norm past float32's range is inf: refused
+                norm = float(np.linalg.norm(grad))
             if not norm <= bound:
                 raise RequestError(
                     f"gradient norm {norm:.6g} is above the bound {bound:g} (--max-grad-norm)",

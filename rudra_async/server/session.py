@@ -130,8 +130,9 @@ class Session:
                     self.core.active(learner)
                 try:
                     await self._dispatch(frame)
-                except RequestError as exc:
-                    await self._refuse(exc.code, str(exc), fatal=exc.code in FATAL, seq=frame.meta.get("seq"))
+                except RequestError as exc:  # during the handshake every refusal is fatal
+                    fatal = exc.code in FATAL or self.state in (State.AUTHENTICATING, State.CHALLENGED)
+                    await self._refuse(exc.code, str(exc), fatal=fatal, seq=frame.meta.get("seq"))
                 finally:
                     frame.release()  # a no-op for a frame the core took
                     if learner is not None:
@@ -196,7 +197,7 @@ class Session:
 
     # -- handlers, one per (state, message type) --------------------------------------------
     async def _auth(self, frame: Frame) -> None:
-        fields = self._fields(frame, fatal_code="auth_failed")
+        fields = self._fields(frame)
         assert self.secret is not None
         self._client_nonce, self._server_nonce = fields["nonce"], security.new_nonce()
         proof = security.server_proof(self.secret, self._client_nonce, self._server_nonce)
@@ -204,7 +205,7 @@ class Session:
         await self._reply(MsgType.CHALLENGE, {"nonce": self._server_nonce, "proof": proof}, frame.meta)
 
     async def _proof(self, frame: Frame) -> None:
-        fields = self._fields(frame, fatal_code="auth_failed")
+        fields = self._fields(frame)
         assert self.secret is not None
         expected = security.client_proof(self.secret, self._client_nonce, self._server_nonce)
         if not security.verify(expected, fields["proof"]):
@@ -245,15 +246,9 @@ class Session:
         await self._send_weights(frame.meta, newer_than=self._fields(frame)["newer_than"])
 
     # -- replies ------------------------------------------------------------------------------
-    def _fields(self, frame: Frame, fatal_code: str | None = None) -> dict[str, Any]:
-        """The request's fields, checked against its schema; in a handshake state a violation
-        is the fatal ``fatal_code``."""
-        try:
-            return schema.check(MsgType(frame.msg_type), frame.meta)
-        except RequestError as exc:
-            if fatal_code is not None:
-                raise RequestError(str(exc), code=fatal_code) from None
-            raise
+    def _fields(self, frame: Frame) -> dict[str, Any]:
+        """The request's fields, checked against its schema (``bad_request`` naming a field)."""
+        return schema.check(MsgType(frame.msg_type), frame.meta)
 
     def _learner(self) -> LearnerInfo:
         assert self.learner is not None, "READY implies a registered learner"

@@ -79,7 +79,8 @@ class WeightStore:
             return True
         saved = self.updater.momentum if sgd.momentum else None
         dst = self._spare()
-        self.updater.apply(src, dst, grads, scales, sgd)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what the check is for
+            self.updater.apply(src, dst, grads, scales, sgd)
         self.clock += 1
         if np.isfinite(dst).all() and (saved is None or np.isfinite(self.updater.momentum).all()):
             self._current = dst
