@@ -123,8 +123,7 @@ class Client:
             if shard is not None:
                 meta["shard"] = shard.to_wire()
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
-            await conn.send(MsgType.HELLO, meta, arrays)
-            reply = await _first_reply(conn, url, timeout, "WELCOME")
+            reply = await _exchange(conn, MsgType.HELLO, meta, arrays, url, timeout, "WELCOME")
             welcome = _check(reply, MsgType.WELCOME, auth_hint=key is None).meta
             reply.release()
         except BaseException:
@@ -203,10 +202,20 @@ class Client:
         self.conn.close()
 
 
-async def _first_reply(conn: Connection, url: str, timeout: float, expected: str) -> Frame:
-    """The reply to a handshake request, within ``timeout``; clear errors for silence and for
-    a server that hangs up (e.g. a TLS server spoken to in plain text)."""
+async def _exchange(
+    conn: Connection,
+    msg_type: MsgType,
+    meta: dict[str, Any],
+    arrays: Sequence[np.ndarray],
+    url: str,
+    timeout: float,
+    expected: str,
+) -> Frame:
+    """Send a request of the handshake and return its reply, within ``timeout``; clear
+    errors for silence and for a server that hangs up (e.g. a TLS server spoken to in
+    plain text, or a server that wants a secret)."""
     try:
+        await conn.send(msg_type, meta, arrays)
         return await asyncio.wait_for(conn.recv(), timeout)
     except asyncio.TimeoutError:
         raise ConnectError(f"{url} sent no {expected} within {timeout:g} s (is it a rudra-async server?)") from None
@@ -220,8 +229,9 @@ async def _first_reply(conn: Connection, url: str, timeout: float, expected: str
 async def _authenticate(conn: Connection, secret: bytes, url: str, timeout: float) -> None:
     """The handshake of docs/wire.md: prove we know the secret, and make the server prove it."""
     nonce = security.new_nonce()
-    await conn.send(MsgType.AUTH, {"nonce": nonce})
-    reply = _check(await _first_reply(conn, url, timeout, "CHALLENGE"), MsgType.CHALLENGE)
+    reply = _check(
+        await _exchange(conn, MsgType.AUTH, {"nonce": nonce}, (), url, timeout, "CHALLENGE"), MsgType.CHALLENGE
+    )
     reply.release()
     server_nonce, proof = reply.meta.get("nonce"), reply.meta.get("proof")
     if not isinstance(server_nonce, bytes) or len(server_nonce) != len(nonce):
@@ -230,8 +240,10 @@ async def _authenticate(conn: Connection, secret: bytes, url: str, timeout: floa
         raise ConnectError(
             f"{url} does not know the secret: it is not the server it claims to be (or the secrets differ)"
         )
-    await conn.send(MsgType.PROOF, {"proof": security.client_proof(secret, nonce, server_nonce)})
-    _check(await _first_reply(conn, url, timeout, "AUTHENTICATED"), MsgType.AUTHENTICATED).release()
+    proof = {"proof": security.client_proof(secret, nonce, server_nonce)}
+    _check(
+        await _exchange(conn, MsgType.PROOF, proof, (), url, timeout, "AUTHENTICATED"), MsgType.AUTHENTICATED
+    ).release()
 
 
 def _check(frame: Frame, expected: MsgType, auth_hint: bool = False) -> Frame:
