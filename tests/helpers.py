@@ -152,3 +152,12 @@ def random_batches(size, steps, c, dtype=np.float32, seed=1):
     for _ in range(steps):
         grads = [rng.standard_normal(size).astype(dtype) for _ in range(c)]
         yield grads, list(rng.uniform(0.1, 1.0, c) / c)
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (``VmRSS``, or its peak ``VmHWM``) in MB, from /proc."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)

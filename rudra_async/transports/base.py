@@ -77,6 +77,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import copy
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -141,7 +142,7 @@ class Connection(abc.ABC):
             if self._inbox:
                 return self._take()
             if self._lost is not None:
-                raise self._lost
+                raise _fresh(self._lost)
             self._arrived.clear()
             await self._arrived.wait()
 
@@ -228,7 +229,7 @@ class Connection(abc.ABC):
         if self._closed:
             raise ConnectionClosed("connection closed locally")
         if self._lost is not None:
-            raise self._lost
+            raise _fresh(self._lost)
 
     @property
     def _inbox_full(self) -> bool:
@@ -254,7 +255,7 @@ class Connection(abc.ABC):
     def _take(self) -> Frame:
         item = self._inbox[0]
         if isinstance(item, WireError):
-            raise item  # stays: the connection is unusable from here on
+            raise _fresh(item)  # stays: the connection is unusable from here on
         self._inbox.popleft()
         self._inbox_nbytes -= item.body.nbytes
         if not self._inbox_full:
@@ -268,6 +269,15 @@ class Connection(abc.ABC):
         self._room.set()
         if not self._ended.done():
             self._ended.set_result(None)
+
+
+def _fresh(exc: RudraError) -> RudraError:
+    """A copy of a stored exception to raise: raising the stored one would hang the
+    traceback (and every frame and buffer it holds) on the connection, a reference cycle
+    that only the cycle collector would break."""
+    fresh = copy.copy(exc)
+    fresh.__traceback__ = None
+    return fresh
 
 
 class SharedMemory(abc.ABC):
