@@ -260,3 +260,22 @@ async def test_a_sigstopped_learner_is_evicted_from_the_hardsync_round_and_rejoi
                     p.send_signal(signal.SIGCONT)
                     p.kill()
                     await p.wait()
+
+
+async def test_samples_near_the_limit_leave_periodic_and_final_checkpoints_written(tmp_path):
+    from rudra_async import checkpoint
+
+    path = str(tmp_path / "c.ckpt")
+    layout = Layout.from_shapes([("w", (4,))])
+    async with run_server(kernel="numpy", checkpoint=path, checkpoint_every=1) as ps:
+        client = await Client.connect(ps.addresses[0], layout, np.zeros(4, np.float32))
+        ps.core.samples = 2**63 - 3  # a long run's count, one push away from msgpack's limit
+        with pytest.raises(Exception, match="samples") as info:
+            await client.push(np.ones(4, np.float32), 0, samples=2**64 - 1)  # refused: out of range
+        assert info.value.code == "bad_request"
+        for t in range(3):
+            await client.push(np.ones(4, np.float32), t, samples=2**32)
+        await client.close()
+        await ps.checkpointer.settled()
+        assert ps.checkpointer.stats["failed"] == 0 and ps.checkpointer.stats["written"] >= 1
+    assert checkpoint.load(path).clock == 3 and checkpoint.load(path).samples == 2**63 - 1  # the final one
