@@ -15,16 +15,16 @@ import asyncio
 import os
 import signal
 import struct
+import subprocess
 import time
 
 import msgpack
 import numpy as np
 import pytest
-from helpers import free_port, reap, rss_mb, start_server
+from helpers import CLI_ARGS, free_port, reap, rss_mb, subprocess_env, wait_listening
 
 from rudra_async import security
 from rudra_async.client import Client
-from rudra_async.eventloop import run as run_loop
 from rudra_async.layout import Layout
 from rudra_async.wire import HEADER, MsgType, encode_frame
 
@@ -177,7 +177,7 @@ async def record_handshake(port, secret):
     return [auth, proof]
 
 
-def run_phase(tmp_path, cases, *, secret, protocol, seed=1):
+async def run_phase(tmp_path, cases, *, secret, protocol, seed=1):
     """One server process, two honest learners, ``cases`` hostile streams; returns
     (final weights of learner 0, the server's peak RSS in MB, its stderr, seconds)."""
     port = free_port()
@@ -186,7 +186,11 @@ def run_phase(tmp_path, cases, *, secret, protocol, seed=1):
         (tmp_path / "secret").write_text(SECRET)
         (tmp_path / "secret").chmod(0o600)
         args += ["--secret-file", str(tmp_path / "secret")]
-    server = start_server(port, *args)
+    log = open(tmp_path / f"server-{port}.log", "w+")  # noqa: SIM115 (a pipe could fill up and stall the server)
+    server = subprocess.Popen(
+        [*CLI_ARGS, "server", "--listen", f"tcp://127.0.0.1:{port}", *args], stderr=log, env=subprocess_env()
+    )
+    wait_listening(port)
     url = f"tcp://127.0.0.1:{port}"
     try:
 
@@ -210,21 +214,24 @@ def run_phase(tmp_path, cases, *, secret, protocol, seed=1):
             weights = await asyncio.wait_for(asyncio.gather(*learners), 600)
             return weights[0], time.monotonic() - started
 
-        weights, seconds = run_loop(main())
+        weights, seconds = await main()
         peak = rss_mb(server.pid, "VmHWM")
         assert server.poll() is None, "the server died"
         server.send_signal(signal.SIGTERM)
-        _, err = server.communicate(timeout=60)
+        server.wait(timeout=60)
+        log.seek(0)
+        err = log.read()
         assert server.returncode == 0, err[-3000:]
         assert "Traceback" not in err and " failed" not in err, err[-3000:]
         return weights, peak, err, seconds
     finally:
         reap(server)
+        log.close()
 
 
-def check_hardsync_fuzz(tmp_path, cases):
-    clean, clean_rss, _, _ = run_phase(tmp_path, 0, secret=True, protocol="hardsync")
-    attacked, attacked_rss, err, seconds = run_phase(tmp_path, cases, secret=True, protocol="hardsync")
+async def check_hardsync_fuzz(tmp_path, cases):
+    clean, clean_rss, _, _ = await run_phase(tmp_path, 0, secret=True, protocol="hardsync")
+    attacked, attacked_rss, err, seconds = await run_phase(tmp_path, cases, secret=True, protocol="hardsync")
     print(
         f"\nphase A: {cases} hostile streams in {seconds:.1f} s; server peak RSS {clean_rss:.0f} MB without, "
         f"{attacked_rss:.0f} MB with the attack"
@@ -234,18 +241,18 @@ def check_hardsync_fuzz(tmp_path, cases):
     assert "refused [auth_required]" in err or "refused [bad_magic]" in err
 
 
-def test_fuzz_hardsync_with_a_secret_changes_nothing(tmp_path):
-    check_hardsync_fuzz(tmp_path, CASES)
+async def test_fuzz_hardsync_with_a_secret_changes_nothing(tmp_path):
+    await check_hardsync_fuzz(tmp_path, CASES)
 
 
-def test_fuzz_an_insider_without_a_secret_cannot_crash_the_server_or_break_the_model(tmp_path):
+async def test_fuzz_an_insider_without_a_secret_cannot_crash_the_server_or_break_the_model(tmp_path):
     cases = max(2000, CASES // 2)
-    weights, rss, _, seconds = run_phase(tmp_path, cases, secret=False, protocol="async", seed=2)
+    weights, rss, _, seconds = await run_phase(tmp_path, cases, secret=False, protocol="async", seed=2)
     print(f"\nphase B: {cases} hostile streams in {seconds:.1f} s; server peak RSS {rss:.0f} MB")
     assert np.isfinite(weights).all()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_fuzz_long_run(tmp_path):
-    check_hardsync_fuzz(tmp_path, 200_000)
+async def test_fuzz_long_run(tmp_path):
+    await check_hardsync_fuzz(tmp_path, 200_000)
