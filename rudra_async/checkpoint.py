@@ -101,6 +101,8 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
                 os.unlink(tmp)
         if isinstance(exc, OSError):
             raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
+        if isinstance(exc, (ValueError, TypeError, OverflowError)):  # metadata msgpack cannot encode
+            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
         raise
 
 

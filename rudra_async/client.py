@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ from typing import Any, Protocol, TypeVar, Union
 
 import numpy as np
 
-from . import transports
-from .errors import ConnectError, RemoteError, RudraError, TransportError
+from . import security, transports
+from .errors import ConnectError, PeerGone, RemoteError, RudraError, TransportError
 from .eventloop import PrivateLoop, run_sync
 from .layout import Layout, Shard
 from .wire import Allocator, Frame, Limits, MsgType
@@ -117,6 +118,8 @@ class Client:
         self.range: tuple[int, int] = self.shard.range(self.layout.size)  # the part this server holds
         self.protocol: str = welcome.get("protocol", "")
         self.clock: int = welcome.get("clock", 0)
+        #: the checkpoint clock the server resumed from (``--resume``), or None
+        self.resumed_from: int | None = welcome.get("resumed")
         self._seq = 1
         self.weights = np.empty(self.range[1] - self.range[0], np.float32)
         conn.allocator = self._allocate
@@ -133,12 +136,20 @@ class Client:
         limits: Limits = Limits(),
         shard: Shard | None = None,
         groups: Sequence[Sequence[Any]] | None = None,
+        secret: bytes | str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> Client:
-        """Connect and register. ``initial`` (flat float32) seeds the server if it has no weights,
-        and ``groups`` (``[[tensors, lr, weight_decay], ...]``, docs/wire.md) its parameter groups.
-        For one shard of a sharded group, pass ``shard`` and only that shard's part of ``initial``."""
-        conn = await transports.connect(url, limits=limits, timeout=timeout)
-        return await cls.hello(conn, layout, initial, name=name, timeout=timeout, shard=shard, groups=groups)
+        """Connect, authenticate and register. ``initial`` (flat float32) seeds the server if
+        it has no weights, and ``groups`` (``[[tensors, lr, weight_decay], ...]``,
+        docs/wire.md) its parameter groups. For one shard of a sharded group, pass ``shard``
+        and only that shard's part of ``initial``. ``secret``: the server's shared secret
+        (default: the ``RUDRA_ASYNC_SECRET`` variable, if set); the server must prove it
+        knows it too. ``tls``: an ``ssl.SSLContext`` (e.g. :func:`rudra_async.security.client_tls`)
+        for a TLS server (tcp only)."""
+        conn = await transports.connect(url, limits=limits, timeout=timeout, tls=tls)
+        return await cls.hello(
+            conn, layout, initial, name=name, timeout=timeout, shard=shard, groups=groups, secret=secret, url=url
+        )
 
     @classmethod
     async def hello(
@@ -151,21 +162,24 @@ class Client:
         timeout: float = 10.0,
         shard: Shard | None = None,
         groups: Sequence[Sequence[Any]] | None = None,
+        secret: bytes | str | None = None,
+        url: str | None = None,
     ) -> Client:
-        """Register on an open connection (see :meth:`connect`); the connection is closed on failure."""
+        """Authenticate (with a secret) and register on an open connection (see :meth:`connect`);
+        the connection is closed on failure."""
+        key = security.resolve_secret(secret)
+        where = url or conn.peer
         try:
+            if key is not None:
+                await _authenticate(conn, key, where, timeout)
             meta = {"name": name or f"{socket.gethostname()}:{os.getpid()}", "layout": layout.to_wire(), "seq": 0}
             if shard is not None:
                 meta["shard"] = shard.to_wire()
             if groups is not None:
                 meta["groups"] = [list(g) for g in groups]
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
-            await conn.send(MsgType.HELLO, meta, arrays)
-            try:
-                reply = await _within(conn.recv(), timeout)
-            except (TimeoutError, asyncio.TimeoutError):
-                raise ConnectError(f"{conn.peer} did not answer the hello within {timeout:g} s") from None
-            welcome = _check(reply, MsgType.WELCOME).meta
+            reply = await _exchange(conn, MsgType.HELLO, meta, arrays, where, timeout, "WELCOME")
+            welcome = _check(reply, MsgType.WELCOME, auth_hint=key is None).meta
             reply.release()
         except BaseException:
             conn.close()
@@ -243,10 +257,62 @@ class Client:
         self.conn.close()
 
 
-def _check(frame: Frame, expected: MsgType) -> Frame:
+async def _exchange(
+    conn: Channel,
+    msg_type: MsgType,
+    meta: dict[str, Any],
+    arrays: Sequence[np.ndarray],
+    url: str,
+    timeout: float,
+    expected: str,
+) -> Frame:
+    """Send a request of the handshake and return its reply, within ``timeout``; clear
+    errors for silence and for a server that hangs up (e.g. a TLS server spoken to in
+    plain text, or a server that wants a secret)."""
+    try:
+        await conn.send(msg_type, meta, arrays)
+        return await _within(conn.recv(), timeout)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise ConnectError(f"{url} sent no {expected} within {timeout:g} s (is it a rudra-async server?)") from None
+    except PeerGone as exc:
+        raise ConnectError(
+            f"{url} closed the connection before its {expected} ({exc}); if it uses TLS, connect with a CA "
+            "(--tls-ca); if it requires a secret, give --secret-file or RUDRA_ASYNC_SECRET"
+        ) from None
+
+
+async def _authenticate(conn: Channel, secret: bytes, url: str, timeout: float) -> None:
+    """The handshake of docs/wire.md: prove we know the secret, and make the server prove it."""
+    nonce = security.new_nonce()
+    reply = _check(
+        await _exchange(conn, MsgType.AUTH, {"nonce": nonce}, (), url, timeout, "CHALLENGE"), MsgType.CHALLENGE
+    )
+    reply.release()
+    server_nonce, proof = reply.meta.get("nonce"), reply.meta.get("proof")
+    if not isinstance(server_nonce, bytes) or len(server_nonce) != len(nonce):
+        raise ConnectError(f"{url} answered the authentication with a malformed challenge")
+    if not security.verify(security.server_proof(secret, nonce, server_nonce), proof):
+        raise ConnectError(
+            f"{url} does not know the secret: it is not the server it claims to be (or the secrets differ)"
+        )
+    proof = {"proof": security.client_proof(secret, nonce, server_nonce)}
+    _check(
+        await _exchange(conn, MsgType.PROOF, proof, (), url, timeout, "AUTHENTICATED"), MsgType.AUTHENTICATED
+    ).release()
+
+
+def _check(frame: Frame, expected: MsgType, auth_hint: bool = False) -> Frame:
     if frame.msg_type == MsgType.ERROR:
         frame.release()
-        raise RemoteError(str(frame.meta.get("message", "")), code=str(frame.meta.get("code", "internal")))
+        code = str(frame.meta.get("code", "internal"))
+        message = str(frame.meta.get("message", ""))
+        if code == "auth_required" and auth_hint:
+            message += "; give the secret with --secret-file or RUDRA_ASYNC_SECRET"
+        elif code == "auth_failed":
+            message += " (the secrets differ)"
+        elif code == "auth_unavailable":
+            message += "; this learner has a secret and will not talk to a server that cannot prove it knows it"
+        raise RemoteError(message, code=code)
     if frame.msg_type != expected:
         frame.release()
         raise RudraError(f"expected {expected.name}, got message type {frame.msg_type}")
@@ -303,6 +369,10 @@ class ShardedClient:
     @property
     def learner_id(self) -> int:
         return self.clients[0].learner_id
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.clients[0].resumed_from
 
     @property
     def protocol(self) -> str:
@@ -421,19 +491,18 @@ class SyncClient:
 
     def _connect(self) -> Client | ShardedClient:
         url, layout, initial, kwargs = self._connect_args
-        limits, timeout = kwargs.get("limits", Limits()), kwargs.get("timeout", 10.0)
-        channel = (
-            None if "," in url else transports.transport_for(url).connect_blocking(url, limits=limits, timeout=timeout)
-        )
+        limits, timeout, tls = kwargs.get("limits", Limits()), kwargs.get("timeout", 10.0), kwargs.get("tls")
+        transport = transports.transport_for(url.split(",")[0])
+        channel = None if "," in url else transport.connect_blocking(url, limits=limits, timeout=timeout, tls=tls)
         if channel is None:
             self._loop = self._loop or PrivateLoop()
             self._run = self._loop.run
             client: Client | ShardedClient = self._loop.run(connect(url, layout, initial, **kwargs))
             return client
         self._run = run_sync
-        hello_kwargs = {k: v for k, v in kwargs.items() if k != "limits"}
+        hello_kwargs = {k: v for k, v in kwargs.items() if k not in ("limits", "tls")}
         channel.settimeout(timeout)  # the deadline of the hello
-        client = run_sync(Client.hello(channel, layout, initial, **hello_kwargs))
+        client = run_sync(Client.hello(channel, layout, initial, url=url, **hello_kwargs))
         channel.settimeout(None)
         return client
 
@@ -444,6 +513,11 @@ class SyncClient:
     @property
     def welcome(self) -> dict[str, Any]:
         return self._client.welcome
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The checkpoint clock the server resumed from (``--resume``), or None."""
+        return self._client.resumed_from
 
     @property
     def layout(self) -> Layout:

@@ -37,6 +37,12 @@ DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
 PROTOCOL_OPTIONS = {"softsync": ("n", "n"), "bounded": ("s", "staleness_bound"), "backup": ("b", "backup")}
 
 
+def check_tls_pair(server: ServerConfig, tls_ca: str | None) -> None:
+    """A run that starts its own learners: they verify the server's certificate with ``tls_ca``."""
+    if bool(server.tls_cert) != bool(tls_ca):
+        raise ConfigError("TLS in a run needs both --tls-cert (the servers') and --tls-ca (the learners' trust)")
+
+
 def parse_milestones(text: str) -> tuple[float, ...]:
     """``"120,130"`` → (120.0, 130.0)."""
     try:
@@ -85,6 +91,51 @@ class ServerConfig:
     samples_per_epoch: int | None = setting(None, "Training-set size, for epoch-based LR decay.", low=1)
     max_updates: int | None = setting(None, "End the run after this many updates.", low=1)
     max_frame: int = setting(DEFAULT_MAX_BODY, "Largest frame body accepted, in bytes.", low=1024, metavar="BYTES")
+    max_model_bytes: int = setting(
+        1 << 32,
+        "Largest model (float32 bytes of this server's shard) the first hello may bring to a server without weights.",
+        low=4,
+        metavar="BYTES",
+    )
+    max_grad_norm: float | None = setting(
+        None, "Refuse a pushed gradient whose L2 norm is above this (gradient_too_large).", above=0
+    )
+    secret_file: str | None = setting(
+        None,
+        "File holding the shared secret learners must prove they know (default: the RUDRA_ASYNC_SECRET "
+        "variable; at least 16 bytes).",
+        metavar="FILE",
+    )
+    insecure: bool = setting(False, "Allow listening on a non-loopback address without a secret.")
+    tls_cert: str | None = setting(
+        None, "TLS certificate (PEM) of this server: TCP connections are encrypted.", metavar="FILE"
+    )
+    tls_key: str | None = setting(None, "Private key of --tls-cert (default: in the same file).", metavar="FILE")
+    tls_client_ca: str | None = setting(
+        None, "Require learners to present a TLS certificate signed by this CA (PEM).", metavar="FILE"
+    )
+    handshake_timeout: float = setting(
+        10.0, "Seconds a new connection has to authenticate and say hello before it is closed.", above=0
+    )
+    idle_timeout: float = setting(
+        300.0,
+        "Close a learner's connection after this many seconds without a request, or with a reply it does "
+        "not read (0: never).",
+        low=0,
+    )
+    learner_timeout: float | None = setting(
+        None,
+        "Evict from the round a learner that has not pushed for this many seconds after it got its weights "
+        "(hardsync, backup, bounded, softsync; not async); it rejoins when it pushes or pulls again.",
+        above=0,
+    )
+    max_connections: int = setting(1024, "Most connections at once (more are closed on arrival).", low=1)
+    max_unauthenticated: int = setting(
+        64, "Most connections that have not yet said hello; a new one closes the oldest of them.", low=1
+    )
+    learner_history: int = setting(
+        10_000, "Departed learners kept by name in the statistics (older ones only in the totals).", low=0
+    )
     kernel: str = setting(
         "auto",
         "Update kernel backend; auto: cupy where a GPU is visible, else torch, else numpy.",
@@ -116,6 +167,8 @@ class ServerConfig:
             raise ConfigError("nesterov needs momentum > 0")
         if self.checkpoint_every is not None and not self.checkpoint:
             raise ConfigError("--checkpoint-every needs --checkpoint")
+        if (self.tls_key or self.tls_client_ca) and not self.tls_cert:
+            raise ConfigError("--tls-key and --tls-client-ca need --tls-cert")
         if self.lr_decay_unit == "epochs" and self.lr_decay_at and not self.samples_per_epoch:
             raise ConfigError("epoch-based LR decay needs --samples-per-epoch")
         if not all(math.isfinite(m) and m >= 0 for m in self.lr_decay_at):
@@ -207,10 +260,20 @@ class LearnerConfig:
     )
     name: str | None = setting(None, "Name the server shows for this learner (default: host:pid).")
     timeout: float = setting(10.0, "Connect timeout in seconds.", above=0)
+    secret_file: str | None = setting(
+        None, "File holding the server's shared secret (default: the RUDRA_ASYNC_SECRET variable).", metavar="FILE"
+    )
+    tls_ca: str | None = setting(
+        None, "Use TLS (tcp://) and accept only a server certificate signed by this CA (PEM).", metavar="FILE"
+    )
+    tls_cert: str | None = setting(None, "Client TLS certificate (PEM), for servers that ask for one.", metavar="FILE")
+    tls_key: str | None = setting(None, "Private key of --tls-cert (default: in the same file).", metavar="FILE")
     options: LearnerOptions = section(LearnerOptions)
 
     def validate(self) -> LearnerConfig:
         check_ranges(self)
+        if (self.tls_cert or self.tls_key) and not self.tls_ca:
+            raise ConfigError("--tls-cert and --tls-key need --tls-ca (the CA of the server's certificate)")
         self.options.validate()
         return self
 
@@ -232,6 +295,9 @@ class TrainConfig:
     timeout: float = setting(
         900.0, "Seconds the whole run may take; learners are stopped past it.", above=0, flag="--run-timeout"
     )
+    tls_ca: str | None = setting(
+        None, "With --tls-cert: the CA (PEM) learners verify the server's certificate with.", metavar="FILE"
+    )
     server: ServerConfig = section(ServerConfig)
     learner: LearnerOptions = section(LearnerOptions)
 
@@ -246,6 +312,7 @@ class TrainConfig:
         check_ranges(self)
         self.learner.validate()
         self.server.validate().check_learners(self.learners)
+        check_tls_pair(self.server, self.tls_ca)
         if transport_for(self.listen_url()).in_process:
             raise ConfigError(f"transport {self.transport!r} cannot reach learner processes; use tcp, shm or ucx")
         self.server.check_shards(self.shards)
@@ -295,6 +362,9 @@ class LaunchConfig:
     listen_host: str = setting("0.0.0.0", "Address the servers listen on.")
     port: int = setting(0, "Server port (0: any free port, published).", low=0, high=65535)
     wait: float = setting(300.0, "Seconds a learner waits for the servers.", above=0)
+    tls_ca: str | None = setting(
+        None, "With --tls-cert: the CA (PEM) learners verify the servers' certificates with.", metavar="FILE"
+    )
     server: ServerConfig = section(ServerConfig)
     learner: LearnerOptions = section(LearnerOptions)
 

@@ -63,7 +63,13 @@ class BadVersion(WireError):
 
 
 class FrameTooLarge(WireError):
+    """``msg_type``: the refused frame's type, when its header could be read."""
+
     code = "frame_too_large"
+
+    def __init__(self, message: str, *, code: str | None = None, msg_type: int | None = None) -> None:
+        super().__init__(message, code=code)
+        self.msg_type = msg_type
 
 
 class MalformedFrame(WireError):

@@ -22,6 +22,9 @@ __all__ = [
 ]
 
 
+MAX_TENSOR_DIMS = 32  # as many as a wire segment may have
+
+
 @dataclass(frozen=True)
 class Tensor:
     name: str
@@ -74,10 +77,14 @@ class Layout:
                 and len(item) == 2
                 and isinstance(item[0], str)
                 and isinstance(item[1], list)
+                and len(item[1]) <= MAX_TENSOR_DIMS
                 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in item[1])
             )
             if not ok:
-                raise RequestError(f"bad layout entry {item!r}; expected [name, shape]", code="bad_layout")
+                raise RequestError(
+                    f"bad layout entry {item!r}; expected [name, shape], at most {MAX_TENSOR_DIMS} sizes >= 0",
+                    code="bad_layout",
+                )
             items.append((item[0], tuple(item[1])))
         return cls.from_shapes(items)
 

@@ -210,6 +210,11 @@ class Hardsync(SyncProtocol):
             self.joined_at[learner] = self.clock  # wait for the round in progress to finish
         return super().join(learner)
 
+    def leave(self, learner: int) -> Decision:
+        self.last_stamp.pop(learner, None)  # nothing per learner outlives its membership
+        self.joined_at.pop(learner, None)
+        return super().leave(learner)
+
     def pull_floor(self, learner: int) -> int:
         floors = [self.last_stamp.get(learner, -1), self.joined_at.get(learner, -1)]
         return max(floors)

@@ -9,9 +9,13 @@ ordering with many frames in flight, concurrent connections, close semantics, re
 back-pressure (a receiver that stops reading makes ``send`` wait long before
 ``CLOG_LIMIT`` bytes were accepted, and the send completes once it reads again), size
 limits (``FrameTooLarge`` from the sender before sending, and from the receiver before
-allocating), and — for transports that cross processes — that a peer killed in the middle
-of a frame gives an error, never a hang or a partial frame. Raises AssertionError on a
-violation; returns the names of the checks that ran.
+allocating), that the listener's ``on_accept`` hook runs before the first byte of a
+connection is parsed (a frame sent with the connect is already subject to it), that a
+server with a secret on this transport refuses missing, wrong and replayed proofs before
+any state change and serves a learner that knows the secret, and — for transports that
+cross processes — that a peer killed in the middle of a frame gives an error, never a hang
+or a partial frame. Raises AssertionError on a violation; returns the names of the checks
+that ran.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from . import transports
-from .errors import ConnectionClosed, FrameTooLarge, PeerGone, RudraError
+from .errors import ConnectionClosed, FrameTooLarge, PeerGone, RemoteError, RudraError
 from .transports.base import Connection, Transport
-from .wire import Frame, Limits, MsgType
+from .wire import Frame, Header, Limits, MsgType
 
 __all__ = [
     "CHECKS",
@@ -65,6 +69,16 @@ class _Suite:
         self.victim_outcome: asyncio.Future[BaseException | None] | None = None
         self.server_saw_close: asyncio.Future[type] | None = None
         self.unclog: asyncio.Future[None] | None = None
+        self.admitted: list[tuple[int, int]] = []  # (type, body length) of headers the admit hook saw
+
+    def accept(self, conn: Connection) -> None:
+        """The listener's on_accept: every header of the connection goes through ``admit``."""
+        conn.admit = self.admit
+
+    def admit(self, header: Header) -> None:
+        self.admitted.append((header.msg_type, header.body_len))
+        if header.msg_type == _REFUSED_TYPE:
+            raise FrameTooLarge("refused by the admit hook", msg_type=header.msg_type)
 
     async def echo(self, conn: Connection) -> None:
         """Server side: send every frame back; obey a few commands carried in the metadata."""
@@ -306,6 +320,92 @@ async def _still_in_sync(s: _Suite, conn: Connection) -> None:
         raise AssertionError("part of a frame refused with FrameTooLarge went out: the peer lost sync") from None
 
 
+_REFUSED_TYPE = 77  # a frame type the suite's admit hook refuses
+
+
+@_check
+async def accept_hook_comes_first(s: _Suite) -> None:
+    """A frame sent at once after connecting (in the first packet) already goes through the
+    hooks ``on_accept`` installed: the listener must call it before parsing anything."""
+    conn = await s.connect()
+    s.admitted.clear()
+    try:
+        await conn.send(_REFUSED_TYPE, {"first": True}, [np.zeros(MiB, np.uint8)])  # may fail: refused mid-frame
+        reply = await asyncio.wait_for(conn.recv(), s.timeout)
+        reply.release()
+        raise AssertionError("a frame the on_accept hook refuses was served: on_accept ran too late (or never)")
+    except (PeerGone, ConnectionClosed):
+        pass
+    except asyncio.TimeoutError:
+        raise AssertionError("the listener neither refused nor served a frame sent with the connect") from None
+    finally:
+        conn.close()
+    # (a transport that carries bodies aside, as shm, may announce the body in a later header)
+    assert [t for t, _ in s.admitted[:1]] == [_REFUSED_TYPE], f"on_accept did not see the first frame: {s.admitted[:3]}"
+
+
+@_check
+async def authentication(s: _Suite) -> None:
+    """A server with a shared secret on this transport: missing, wrong and replayed proofs
+    are refused before any state change; a learner that knows the secret trains."""
+    from . import security
+    from .client import Client
+    from .config import ServerConfig
+    from .layout import Layout
+    from .server import ParameterServer
+
+    secret = security.new_nonce().hex()
+    layout = Layout.from_shapes([("w", (8,))])
+    cfg = ServerConfig(listen=[s.url], kernel="numpy", momentum=0.0, handshake_timeout=s.timeout)
+    async with ParameterServer(cfg, secret=secret) as ps:
+        url = ps.addresses[0]
+        w0 = np.arange(8, dtype=np.float32)
+        try:
+            await Client.connect(url, layout, w0, secret=None, timeout=s.timeout)
+            raise AssertionError("a learner without the secret was served")
+        except RemoteError as exc:
+            assert exc.code == "auth_required", exc.code
+        recorded = await _handshake(s, url, secret.encode())  # an honest exchange, recorded
+        for nonce, proof, why in ((recorded[0], recorded[1], "replayed"), (security.new_nonce(), bytes(32), "wrong")):
+            conn = await s.transport.connect(url, limits=s.limits, timeout=s.timeout)
+            try:
+                await conn.send(MsgType.AUTH, {"nonce": nonce})
+                (await asyncio.wait_for(conn.recv(), s.timeout)).release()
+                await conn.send(MsgType.PROOF, {"proof": proof})
+                reply = await asyncio.wait_for(conn.recv(), s.timeout)
+                reply.release()
+                assert reply.msg_type == MsgType.ERROR and reply.meta.get("code") == "auth_failed", (why, reply.meta)
+            finally:
+                conn.close()
+        assert ps.core.store is None and not ps.core.learners, "a refused peer changed the server's state"
+        client = await Client.connect(url, layout, w0, secret=secret, timeout=s.timeout)
+        w = await client.pull()
+        w = await client.push_pull(np.ones(8, np.float32), w.timestamp)
+        assert w.timestamp == 1 and np.allclose(w.array, w0 - cfg.lr), "the authenticated learner was not served"
+        await client.close()
+
+
+async def _handshake(s: _Suite, url: str, secret: bytes) -> tuple[bytes, bytes]:
+    """Authenticate by hand; returns the (client nonce, proof) sent."""
+    from . import security
+
+    conn = await s.transport.connect(url, limits=s.limits, timeout=s.timeout)
+    try:
+        nonce = security.new_nonce()
+        await conn.send(MsgType.AUTH, {"nonce": nonce})
+        challenge = await asyncio.wait_for(conn.recv(), s.timeout)
+        challenge.release()
+        assert challenge.msg_type == MsgType.CHALLENGE, challenge.meta
+        proof = security.client_proof(secret, nonce, challenge.meta["nonce"])
+        await conn.send(MsgType.PROOF, {"proof": proof})
+        ok = await asyncio.wait_for(conn.recv(), s.timeout)
+        ok.release()
+        assert ok.msg_type == MsgType.AUTHENTICATED, ok.meta
+        return nonce, proof
+    finally:
+        conn.close()
+
+
 _VICTIM = textwrap.dedent("""
     import asyncio, sys, numpy as np
     from rudra_async import transports
@@ -361,7 +461,7 @@ async def check_transport(
     default the one registered for ``url``'s scheme), listening on ``url``."""
     transport = transport or transports.transport_for(url)
     suite = _Suite(url, transport, limits, large, timeout)
-    listener = await transport.listen(url, suite.echo, limits=limits)
+    listener = await transport.listen(url, suite.echo, limits=limits, on_accept=suite.accept)
     suite.address = listener.address
     ran = []
     try:

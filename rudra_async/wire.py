@@ -35,6 +35,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "WIRE_VERSION",
+    "Admit",
     "Allocator",
     "Frame",
     "FrameReader",
@@ -57,6 +58,8 @@ HEADER_SIZE = HEADER.size  # 24
 
 DEFAULT_MAX_META = 1 << 20  # 1 MiB of metadata is far more than any message needs
 DEFAULT_MAX_BODY = 1 << 33  # 8 GiB; 64-bit lengths, so no 2 GB cliff
+MAX_DIMS = 32  # dimensions of a segment (numpy 1.x's limit; numpy 2 allows 64)
+_MAX_ELEMENTS_BYTES = 1 << 62  # a segment's shape, zeros counted as 1, times its item size
 
 #: dtypes allowed in segments (little-endian or byte-sized numeric types).
 ALLOWED_DTYPES = frozenset(["<f2", "<f4", "<f8", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "|b1"])
@@ -74,6 +77,10 @@ class MsgType(enum.IntEnum):
     ERROR = 7
     BYE = 8
     CHECKPOINT = 9  # a checkpoint file (rudra_async.checkpoint); never sent on a connection
+    AUTH = 10  # learner → server: start the handshake (its nonce)
+    CHALLENGE = 11  # server → learner: the server's nonce and proof
+    PROOF = 12  # learner → server: the learner's proof
+    AUTHENTICATED = 13  # server → learner: the proof was right
 
 
 @dataclass(frozen=True)
@@ -105,9 +112,9 @@ def unpack_header(data: bytes | bytearray | memoryview, limits: Limits = Limits(
     if version != WIRE_VERSION:
         raise BadVersion(f"wire version {version} not supported (this side speaks {WIRE_VERSION})")
     if meta_len > limits.max_meta:
-        raise FrameTooLarge(f"metadata of {meta_len} bytes exceeds the limit of {limits.max_meta}")
+        raise FrameTooLarge(f"metadata of {meta_len} bytes exceeds the limit of {limits.max_meta}", msg_type=msg_type)
     if body_len > limits.max_body:
-        raise FrameTooLarge(f"body of {body_len} bytes exceeds the limit of {limits.max_body}")
+        raise FrameTooLarge(f"body of {body_len} bytes exceeds the limit of {limits.max_body}", msg_type=msg_type)
     return Header(msg_type, flags, meta_len, body_len)
 
 
@@ -147,9 +154,14 @@ def parse_segments(meta: dict[str, Any], body_len: int) -> list[SegmentSpec]:
         dtype_str, shape = item
         if dtype_str not in ALLOWED_DTYPES:
             raise MalformedFrame(f"segment dtype {dtype_str!r} not allowed")
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise MalformedFrame(f"bad segment shape {shape!r}")
+        if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise MalformedFrame(f"bad segment shape {shape!r}: at most {MAX_DIMS} integers >= 0")
         spec = SegmentSpec(np.dtype(dtype_str), tuple(shape))
+        extent = spec.dtype.itemsize
+        for d in shape:
+            extent *= max(d, 1)
+        if extent > _MAX_ELEMENTS_BYTES:  # numpy cannot even describe an empty array of this shape
+            raise MalformedFrame(f"segment shape {shape!r} is too large")
         total += spec.nbytes
         if total > body_len:
             break
@@ -253,27 +265,39 @@ class Frame:
 
 class BufferPool:
     """Body buffers for reuse: freshly allocated pages fill several times slower than warm
-    ones, so released buffers are kept (at most ``keep``) and handed out again."""
+    ones, so released buffers are kept (at most ``keep``) and handed out again.
+
+    Buffers are ``numpy.empty`` arrays, not zero-filled: the pages of a large one are
+    committed only as bytes arrive, so a body that is announced but never sent costs
+    (almost) no memory. :meth:`clear` gives every kept buffer back at once."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
-        self._free: list[bytearray] = []
+        self._free: list[np.ndarray] = []
 
-    def take(self, nbytes: int) -> bytearray:
+    def take(self, nbytes: int) -> np.ndarray:
         """A buffer of at least ``nbytes`` (reused when one is free)."""
         for i, buf in enumerate(self._free):
             if len(buf) >= nbytes:
                 return self._free.pop(i)
-        return bytearray(nbytes)
+        return np.empty(nbytes, np.uint8)
 
-    def give_back(self, buf: bytearray) -> None:
+    def give_back(self, buf: np.ndarray) -> None:
         if len(self._free) < self.keep:
             self._free.append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
 
 
 #: ``allocate(msg_type, meta, nbytes)`` may return a writable buffer of exactly ``nbytes``
 #: to receive the body into (e.g. a model's parameter buffer), or None for the default pool.
 Allocator = Callable[[int, dict[str, Any], int], "memoryview | None"]
+
+#: ``admit(header)`` is called for every header that passed the :class:`Limits`, before
+#: anything of its frame (metadata or body) is allocated; it may raise a :class:`WireError`
+#: (e.g. :class:`FrameTooLarge`), which is then fatal for the stream.
+Admit = Callable[[Header], None]
 
 
 class FrameReader:
@@ -290,11 +314,20 @@ class FrameReader:
     the body's messages can no longer be told apart.
     """
 
-    _SKIP_CHUNK = 1 << 20
+    _SKIP_CHUNK = 1 << 16
+    _META_CHUNK = 1 << 12  # metadata buffers start this small and grow as the bytes arrive
 
-    def __init__(self, limits: Limits = Limits(), allocate: Allocator | None = None, *, messages: bool = False) -> None:
+    def __init__(
+        self,
+        limits: Limits = Limits(),
+        allocate: Allocator | None = None,
+        *,
+        messages: bool = False,
+        admit: Admit | None = None,
+    ) -> None:
         self.limits = limits
         self.allocate = allocate
+        self.admit = admit
         self.messages = messages
         self._head = bytearray(HEADER_SIZE)
         self.pool = BufferPool()
@@ -309,7 +342,7 @@ class FrameReader:
         self._meta: dict[str, Any] = {}
         self._specs: list[SegmentSpec] = []
         self._error: WireError | None = None
-        self._owned: bytearray | None = None
+        self._owned: np.ndarray | None = None
         self._skip_left = 0
         self._ends: list[int] = []  # messages mode: where each non-empty segment ends in the body
 
@@ -338,11 +371,19 @@ class FrameReader:
     def _step(self) -> Frame | None:
         if self._state == "header":
             self._header = unpack_header(self._head, self.limits)
+            if self.admit is not None:
+                self.admit(self._header)
             self._state, self._pos = "meta", 0
-            self._buf = memoryview(bytearray(self._header.meta_len))
+            first = self._header.meta_len if self.messages else min(self._header.meta_len, self._META_CHUNK)
+            self._buf = memoryview(bytearray(first))
             return None
         if self._state == "meta":
             assert self._header is not None
+            if len(self._buf) < self._header.meta_len:  # grow with what arrived: memory follows bytes sent
+                grown = bytearray(min(self._header.meta_len, 4 * len(self._buf)))
+                grown[: self._pos] = self._buf
+                self._buf = memoryview(grown)
+                return None
             try:
                 self._meta = decode_meta(self._buf) if self._header.meta_len else {}
                 self._specs = parse_segments(self._meta, self._header.body_len)
@@ -369,7 +410,7 @@ class FrameReader:
             self._state, self._skip_left = "skip", n
             if n == 0:
                 return self._emit(memoryview(b""))
-            self._buf = memoryview(bytearray(min(n, self._SKIP_CHUNK)))
+            self._buf = np.empty(min(n, self._SKIP_CHUNK), np.uint8).data
             return None
         if n == 0:
             return self._emit(memoryview(b""))
@@ -377,7 +418,7 @@ class FrameReader:
         target = self.allocate(self._header.msg_type, self._meta, n) if self.allocate else None
         if target is None:
             self._owned = self.pool.take(n)
-            target = memoryview(self._owned)[:n]
+            target = self._owned.data[:n]
         elif len(target) != n:
             raise ValueError("allocator returned a buffer of the wrong size")
         self._buf = target.cast("B") if target.format != "B" else target
@@ -398,3 +439,12 @@ class FrameReader:
         )
         self._begin_header()
         return frame
+
+    def close(self) -> None:
+        """Drop every buffer now (the pool's and a frame's in progress), without waiting for
+        the garbage collector (the hooks, which refer back to their connection, are dropped
+        too); frames already handed out stay valid. The reader takes no more bytes."""
+        self.pool.clear()
+        self.pool.keep = 0
+        self.allocate = self.admit = None
+        self._begin_header()

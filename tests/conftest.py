@@ -15,7 +15,6 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
 
 
-
 @pytest.hookimpl(optionalhook=True)  # pytest-asyncio's hook; absent (or disabled) on the GPU check
 def pytest_asyncio_loop_factories(config, item):
     """Async tests run on uvloop, the loop the server uses in production."""

@@ -21,10 +21,11 @@ LOOPBACK = "tcp://127.0.0.1:0"
 
 
 @contextlib.asynccontextmanager
-async def run_server(**overrides):
-    """A real server on a loopback port chosen by the OS, serving in the background."""
+async def run_server(secret=None, **overrides):
+    """A real server on a loopback port chosen by the OS, serving in the background
+    (``secret``: learners must authenticate)."""
     cfg = ServerConfig(**{"listen": [LOOPBACK], **overrides})
-    async with ParameterServer(cfg) as ps:
+    async with ParameterServer(cfg, secret=secret) as ps:
         task = asyncio.create_task(ps.serve())
         try:
             yield ps
@@ -200,3 +201,12 @@ def write_cifar_batch(path, n: int, seed: int) -> None:
     }
     with open(path, "wb") as fh:
         pickle.dump(batch, fh)
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (``VmRSS``, or its peak ``VmHWM``) in MB, from /proc."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)

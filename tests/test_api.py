@@ -26,6 +26,7 @@ def test_the_doc_lists_every_public_module():
         "rudra_async.client",
         "rudra_async.config",
         "rudra_async.checkpoint",
+        "rudra_async.security",
         "rudra_async.testing",
         "rudra_async.torch",
         "rudra_async.server",

@@ -53,8 +53,9 @@ def test_the_first_hello_brings_the_weights_and_later_ones_must_match():
     assert code_of(lambda: hello(core, initial=None)) == "no_weights"
     assert code_of(lambda: hello(core, initial=W0[:-1])) == "no_weights"
     assert code_of(lambda: hello(core, initial=W0.astype(np.float64))) == "no_weights"
-    assert code_of(lambda: hello(core, layout="nonsense")) == "bad_layout"
+    assert code_of(lambda: hello(core, layout="nonsense")) == "bad_request"  # a wrong type (schema)
     assert code_of(lambda: hello(core, layout=[["w", [-1]]])) == "bad_layout"
+    assert code_of(lambda: hello(core, layout=[["w", [1] * 33]])) == "bad_layout"
     assert code_of(lambda: hello(core, shard=[1, 2])) == "shard_mismatch"
     assert code_of(lambda: hello(core, shard="x")) == "bad_request"
     assert core.store is None and not core.learners  # nothing refused changed anything
@@ -190,9 +191,10 @@ def test_gradients_a_protocol_still_holds_when_the_run_stops_are_answered_droppe
 
 def test_parameter_groups_come_with_the_first_hello_and_later_hellos_must_match():
     core = ServerCore(ServerConfig(kernel="numpy", lr=0.5, momentum=0.0))
-    bad = [[1, 0.1, 0.0]], [[2, 0.1, -1.0]], [[2, float("nan"), 0.0]], [[0, 0.1, 0.0], [2, 0.1, 0.0]], "x"
+    bad = [[1, 0.1, 0.0]], [[2, 0.1, -1.0]], [[2, float("nan"), 0.0]], [[0, 0.1, 0.0], [2, 0.1, 0.0]]
     for groups in bad:
         assert code_of(lambda g=groups: hello(core, groups=g)) == "bad_groups"
+    assert code_of(lambda: hello(core, groups="x")) == "bad_request"  # not even a list: the schema's
     learner = hello(core, groups=[[1, 0.1, 0.01], [1, 0.2, 0.0]])  # w (2x3) with lr 0.1, b (3) with lr 0.2
     assert core.welcome(learner)["groups"] == [[1, 0.1, 0.01], [1, 0.2, 0.0]]
     assert code_of(lambda: hello(core, initial=None, groups=[[2, 0.5, 0.0]])) == "groups_mismatch"
@@ -222,3 +224,93 @@ def test_a_shard_applies_the_part_of_each_group_it_holds():
         learner = hello(shard, initial=W0[lo:hi], shard=[index, 2], groups=groups)
         push(shard, learner, np.ones(hi - lo, np.float32))
         np.testing.assert_array_equal(shard.store.weights, whole.store.weights[lo:hi])
+
+
+# -- rules of issue 12: a model that stays finite, bounded inputs, hung learners ------------------
+
+
+def test_an_update_that_would_overflow_is_skipped_and_the_clock_still_advances():
+    core = ServerCore(ServerConfig(kernel="numpy", lr=0.5, momentum=0.9))
+    learner = hello(core)
+    huge = np.full(LAYOUT.size, 3e38, np.float32)  # finite; v = 0.9·v + g overflows on the second push
+    assert push(core, learner, huge).outcome == "applied"
+    weights, momentum = core.store.weights.copy(), core.store.updater.momentum
+    assert np.isfinite(weights).all()
+    refused = push(core, learner, huge)
+    assert (refused.outcome, refused.refusal_code) == ("refused", "update_not_finite")
+    assert core.clock == 2  # the round advanced, so every protocol stays in step
+    np.testing.assert_array_equal(core.store.weights, weights)
+    np.testing.assert_array_equal(core.store.updater.momentum, momentum)
+    assert core.rejected["update_not_finite"] == 1 and core.stats()["gradients"] == 1
+    ok = push(core, learner, np.zeros(LAYOUT.size, np.float32))  # the model is usable afterwards
+    assert ok.outcome == "applied" and np.isfinite(core.store.weights).all()
+
+
+def test_the_gradient_norm_bound_refuses_before_anything_changes():
+    core = ServerCore(ServerConfig(kernel="numpy", max_grad_norm=10.0))
+    learner = hello(core)
+    assert code_of(lambda: push(core, learner, np.full(LAYOUT.size, 1e30, np.float32))) == "gradient_too_large"
+    assert code_of(lambda: push(core, learner, np.full(LAYOUT.size, 4.0, np.float16))) == "gradient_too_large"
+    assert core.clock == 0
+    np.testing.assert_array_equal(core.store.weights, W0)
+    assert push(core, learner, np.full(LAYOUT.size, 3.0, np.float32)).outcome == "applied"  # norm 9
+
+
+def test_samples_are_bounded_per_push_and_the_run_total_saturates():
+    core = ServerCore(ServerConfig(kernel="numpy"))
+    learner = hello(core)
+    g = np.zeros(LAYOUT.size, np.float32)
+    assert code_of(lambda: push(core, learner, g, samples=2**64 - 1)) == "bad_request"
+    core.samples = 2**63 - 10
+    push(core, learner, g, samples=2**32)
+    assert core.samples == 2**63 - 1  # still what a checkpoint (msgpack int64) can hold
+    with core.store.lease() as (clock, weights):
+        core.snapshot(clock, weights)
+
+
+def test_non_finite_initial_weights_are_refused():
+    core = ServerCore(ServerConfig(kernel="numpy"))
+    bad = W0.copy()
+    bad[2] = np.nan
+    assert code_of(lambda: hello(core, initial=bad)) == "no_weights"
+    assert core.store is None
+    with pytest.raises(ConfigError, match="NaN"):
+        ServerCore(ServerConfig(kernel="numpy"), initial={"w": np.array([np.inf], np.float32)})
+
+
+def test_a_hung_learner_is_evicted_from_the_round_and_rejoins():
+    now = [0.0]
+    core = ServerCore(ServerConfig(kernel="numpy", protocol="hardsync", momentum=0.0), now=lambda: now[0])
+    a, b = hello(core), hello(core, initial=None)
+    g = np.ones(LAYOUT.size, np.float32)
+    core.active(a)
+    waiting = push(core, a, g)  # a waits for b: the round needs both
+    assert waiting.outcome == "pending"
+    now[0] = 5.0
+    assert core.evict_hung(now[0], 10.0) == []  # b has had its weights for 5 s only
+    now[0] = 11.0
+    assert core.evict_hung(now[0], 10.0) == [b]  # a is busy (waiting), b is hung
+    assert waiting.outcome == "applied" and core.clock == 1  # the round completed without b
+    assert b.evicted and core.stats()["evictions"] == 1
+    core.active(b)  # b wakes up: it rejoins, and its late gradient (stamp 0) is dropped
+    late = core.push(b, frame(MsgType.PUSH, {"timestamp": 0}, [g]).meta, frame(MsgType.PUSH, {"timestamp": 0}, [g]))
+    assert late.outcome == "dropped" and not b.evicted and 1 in core.protocol.members
+    core.idle(b)
+
+
+def test_async_never_evicts():
+    core = ServerCore(ServerConfig(kernel="numpy"))
+    hello(core)
+    assert core.evict_hung(1e9, 1.0) == []
+
+
+def test_the_learner_table_keeps_a_bounded_history():
+    core = ServerCore(ServerConfig(kernel="numpy", learner_history=3))
+    first = hello(core)
+    push(core, first, np.zeros(LAYOUT.size, np.float32))
+    core.leave(first)
+    for _ in range(5):
+        core.leave(hello(core, initial=None))
+    stats = core.stats()
+    assert len(core.learners) == 3 and stats["learners_forgotten"] == 3
+    assert stats["gradients"] == 1 and "0" not in stats["learners"]

@@ -50,7 +50,7 @@ def test_a_refused_address_and_a_silent_server_are_clear_errors():
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         port = silent.getsockname()[1]
-        with pytest.raises(ConnectError, match=r"did not answer the hello within 0\.5 s"):
+        with pytest.raises(ConnectError, match=r"sent no WELCOME within 0\.5 s \(is it a rudra-async server\?\)"):
             SyncClient(f"tcp://127.0.0.1:{port}", small_layout(), timeout=0.5)
 
 

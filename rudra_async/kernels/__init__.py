@@ -36,6 +36,7 @@ __all__ = [
     "as_groups",
     "cupy_device_available",
     "make_updater",
+    "preload",
     "resolve",
 ]
 
@@ -166,6 +167,12 @@ def resolve(kernel: str = "auto", device: str = "auto") -> str:
     if device == "auto" and cupy_device_available():
         return "cupy"
     return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+
+
+def preload(name: str) -> None:
+    """Import the named backend now (torch or CuPy take seconds to import): a server does it
+    as it starts, not on its event loop when the first learner says hello."""
+    importlib.import_module(f"{__name__}.{name}_kernel")
 
 
 def make_updater(name: str, size: int) -> Updater:

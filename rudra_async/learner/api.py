@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -93,7 +94,9 @@ class DistributedOptimizer:
     list or comma-separated, in shard order. ``optimizer``: a ``torch.optim.SGD`` whose
     parameter groups (lr, weight decay) the server uses. ``reconnect``: seconds to keep
     trying to reach a lost server (0: raise at once). ``overlap``: push/pull in the
-    background (see the module docstring). Errors are the client's (``RemoteError``,
+    background (see the module docstring). ``secret``: the server's shared secret (default:
+    ``RUDRA_ASYNC_SECRET``); ``tls``: an ``ssl.SSLContext`` for a TLS server
+    (:func:`rudra_async.security.client_tls`). Errors are the client's (``RemoteError``,
     ``TransportError``, ...) and :class:`~rudra_async.errors.LearnerError`.
     """
 
@@ -107,6 +110,8 @@ class DistributedOptimizer:
         timeout: float = 10.0,
         reconnect: float = 0.0,
         overlap: bool = False,
+        secret: bytes | str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         named, groups = trainable_parameters(model, optimizer)
         self.model = model
@@ -124,7 +129,14 @@ class DistributedOptimizer:
         try:
             self.client = self._call(
                 lambda: SyncClient(
-                    self._url, self.flat.layout, self.flat.host_weights, name=name, timeout=timeout, groups=groups
+                    self._url,
+                    self.flat.layout,
+                    self.flat.host_weights,
+                    name=name,
+                    timeout=timeout,
+                    groups=groups,
+                    secret=secret,
+                    tls=tls,
                 )
             )
             check_optimizer(optimizer, self.client.welcome)
@@ -201,11 +213,12 @@ class DistributedOptimizer:
             weights = self.client.reconnect(self.reconnect)
             self.reconnects += 1
             if went_back(weights.timestamp, stamp):
-                log.warning(
-                    "the server's clock went back from %s to %s: it restarted from older weights",
-                    stamp,
-                    weights.timestamp,
-                )
+                if self.client.resumed_from is not None:
+                    log.warning("the server resumed from its checkpoint of update %s (it was at %s; the updates "
+                                "since that checkpoint are lost)", self.client.resumed_from, stamp)  # fmt: skip
+                else:
+                    log.warning("the server's clock went back from %s to %s: it restarted without its checkpoint",
+                                stamp, weights.timestamp)  # fmt: skip
             return weights
 
     def _arrived(self, weights: Weights, wait: bool = False) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import security
 from ..config import LearnerConfig
 from ..errors import LearnerError
 from .api import DistributedOptimizer
@@ -34,7 +35,14 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     started = time.monotonic()
     last_loss = float("nan")
     with DistributedOptimizer(
-        model, cfg.connect, name=cfg.name, timeout=cfg.timeout, reconnect=opts.reconnect, overlap=opts.overlap
+        model,
+        cfg.connect,
+        name=cfg.name,
+        timeout=cfg.timeout,
+        reconnect=opts.reconnect,
+        overlap=opts.overlap,
+        secret=security.load_secret(cfg.secret_file),
+        tls=security.client_tls(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None,
     ) as opt:
         for x, y in parts.batches():
             if opt.stopped or (limit is not None and opt.steps >= limit):

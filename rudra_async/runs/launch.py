@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..config import LaunchConfig, LearnerConfig
+from ..config import LaunchConfig, LearnerConfig, check_tls_pair
 from ..errors import ConfigError, RudraError
 from ..layout import Shard
 from ..transports.base import format_host_port, parse_host_port
@@ -72,6 +72,7 @@ def resolve(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> LaunchCon
     if not os.path.isdir(cfg.rendezvous):
         raise ConfigError(f"rendezvous directory {cfg.rendezvous} does not exist (it must be shared by all tasks)")
     cfg.server.validate().check_shards(cfg.servers)
+    check_tls_pair(cfg.server, cfg.tls_ca)
     cfg.learner.validate()
     return cfg
 
@@ -99,7 +100,18 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
 
     index = cfg.rank - cfg.servers
     urls = wait_for_servers(cfg)
-    summary = run_learner(LearnerConfig(connect=",".join(urls), index=index, options=cfg.learner))
+    server = cfg.server
+    summary = run_learner(
+        LearnerConfig(
+            connect=",".join(urls),
+            index=index,
+            options=cfg.learner,
+            secret_file=server.secret_file,
+            tls_ca=cfg.tls_ca,
+            tls_cert=server.tls_cert if server.tls_client_ca else None,
+            tls_key=server.tls_key if server.tls_client_ca else None,
+        )
+    )
     return {"role": "learner", "rank": cfg.rank, "index": index, **summary}
 
 

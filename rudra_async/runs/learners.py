@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import queue
 import sys
 from collections.abc import Callable
@@ -32,10 +33,14 @@ def warm_up() -> None:
     forkserver.ensure_running()
 
 
-def _learner(cfg: LearnerConfig, results: mp.Queue[tuple[int, dict[str, Any]]]) -> None:
-    """A learner process: train, report the summary; a refusal is one line on stderr, exit 2."""
+def _learner(cfg: LearnerConfig, results: mp.Queue[tuple[int, dict[str, Any]]], secret: str | None) -> None:
+    """A learner process: train, report the summary; a refusal is one line on stderr, exit 2.
+    ``secret``: the run's generated secret, which the learner reads as RUDRA_ASYNC_SECRET."""
     from ..learner.loop import run_learner
+    from ..security import SECRET_ENV
 
+    if secret is not None:
+        os.environ[SECRET_ENV] = secret
     try:
         results.put((cfg.index, run_learner(cfg)))
     except RudraError as exc:
@@ -44,13 +49,15 @@ def _learner(cfg: LearnerConfig, results: mp.Queue[tuple[int, dict[str, Any]]]) 
 
 
 class LearnerGroup:
-    """λ learner processes forked from the warm fork server."""
+    """λ learner processes forked from the warm fork server; ``secret`` (a run's generated
+    one) reaches them through their environment, never through a command line."""
 
-    def __init__(self, configs: list[LearnerConfig]) -> None:
+    def __init__(self, configs: list[LearnerConfig], secret: str | None = None) -> None:
         ctx = mp.get_context("forkserver")
         self._results: mp.Queue[tuple[int, dict[str, Any]]] = ctx.Queue()
         self.procs: list[BaseProcess] = [
-            ctx.Process(target=_learner, args=(cfg, self._results), name=cfg.name, daemon=True) for cfg in configs
+            ctx.Process(target=_learner, args=(cfg, self._results, secret), name=cfg.name, daemon=True)
+            for cfg in configs
         ]
 
     async def run(self, timeout: float, tick: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:

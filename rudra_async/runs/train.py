@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import security
 from ..config import LearnerConfig, TrainConfig
 from ..errors import RudraError
 from ..layout import Shard
@@ -19,7 +21,10 @@ from .learners import LearnerGroup, warm_up
 
 
 def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[LearnerConfig]:
-    """The configuration of every learner of the run."""
+    """The configuration of every learner of the run: its options, and what it needs to reach
+    the run's servers: the secret file (a generated secret goes through the environment) and
+    TLS (a client certificate when the servers ask for one: the servers' own)."""
+    server, client_cert = cfg.server, bool(cfg.tls_ca and cfg.server.tls_client_ca)
     return [
         LearnerConfig(
             connect=url,
@@ -27,6 +32,10 @@ def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[Learn
             learners=cfg.learners,
             name=f"learner-{i}",
             passes=cfg.passes_per_learner(),
+            secret_file=server.secret_file,
+            tls_ca=cfg.tls_ca,
+            tls_cert=server.tls_cert if client_cert else None,
+            tls_key=server.tls_key if client_cert else None,
             options=replace(cfg.learner, steps=steps),
         )
         for i in range(cfg.learners)
@@ -43,15 +52,20 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     dataset = datasets.load(cfg.learner.dataset) if cfg.learner.data is None else None
     n_train = len(dataset.y_train) if dataset is not None else None
     steps = cfg.steps_per_learner(n_train or 0)
+    secret = security.load_secret(cfg.server.secret_file)
+    generated = None
+    if secret is None:  # a run authenticates its own learners even on loopback (other users share this host)
+        generated = secrets.token_hex(32)
+        secret = generated.encode()
     async with contextlib.AsyncExitStack() as stack:
         servers = [
             await stack.enter_async_context(
-                ParameterServer(cfg.server_config(cfg.listen_url(), n_train, Shard(i, cfg.shards)))
+                ParameterServer(cfg.server_config(cfg.listen_url(), n_train, Shard(i, cfg.shards)), secret=secret)
             )
             for i in range(cfg.shards)
         ]
         server = servers[0]  # progress, statistics and timing come from shard 0
-        group = LearnerGroup(learner_configs(cfg, ",".join(s.addresses[0] for s in servers), steps))
+        group = LearnerGroup(learner_configs(cfg, ",".join(s.addresses[0] for s in servers), steps), generated)
         ticker = asyncio.create_task(_report_progress(server, started, progress)) if progress else None
         try:
             summaries = await group.run(cfg.timeout)

@@ -12,7 +12,9 @@ checkpoint keeps.
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -22,15 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__, kernels, registry
+from .. import __version__, kernels, registry, schema
 from ..checkpoint import Checkpoint
 from ..config import ServerConfig
 from ..errors import CheckpointError, ConfigError, RequestError, RudraError
+from ..kernels import SGD
 from ..layout import Layout, Shard
 from ..lr import LRPolicy, Schedule
-from ..sync import Decision, Gradient, SyncProtocol
+from ..sync import Async, Decision, Gradient, SyncProtocol
 from ..transports.base import SharedMemory
-from ..wire import Frame
+from ..wire import Frame, MsgType
 from .groups import ParamGroup, default_groups, parse_groups, steps_for
 from .stats import StalenessHistogram
 from .store import WeightStore
@@ -38,6 +41,10 @@ from .store import WeightStore
 log = logging.getLogger(__name__)
 
 MAX_LOSSES = 1_000_000  # reported training losses kept for the loss curve
+MAX_RUN_SAMPLES = 2**63 - 1  # P saturates here (a checkpoint stores it as a msgpack int)
+#: an update whose bound on every intermediate value stays below this is applied in place
+#: without a check; float32 overflows at 3.4e38, so rounding cannot reach it
+SAFE_MAGNITUDE = 1e37
 
 
 @dataclass
@@ -50,6 +57,10 @@ class LearnerInfo:
     applied: int = 0
     dropped: int = 0
     connected: bool = True
+    busy: int = 0  # requests of this learner the server is handling now
+    last_active: float = 0.0  # when a request of it last arrived or was answered
+    evicted: bool = False  # out of the protocol (hung: --learner-timeout) until it shows up again
+    evictions: int = 0
 
 
 @dataclass(eq=False)
@@ -61,9 +72,12 @@ class PendingGradient:
     frame: Frame
     grad: np.ndarray
     samples: int
+    magnitude: float = 0.0  # max |g|
     wait_applied: bool = False  # the pusher's reply waits until the gradient is applied or dropped
-    outcome: str = "pending"  # → "applied" | "dropped"
+    outcome: str = "pending"  # → "applied" | "dropped" | "refused"
     staleness: int | None = None
+    refusal_code: str = ""
+    refusal: str = ""
 
     @property
     def settled(self) -> bool:
@@ -73,13 +87,16 @@ class PendingGradient:
         self.outcome, self.staleness = outcome, staleness
         self.frame.release()
 
+    def refuse(self, code: str, message: str) -> None:
+        self.refusal_code, self.refusal = code, message
+        self.settle("refused")
 
-def int_field(meta: dict[str, Any], key: str, default: int | None = None) -> int:
-    """An integer metadata field (not a bool), or ``bad_request`` naming it."""
-    value = meta.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RequestError(f"field {key!r} must be an integer, got {value!r}", code="bad_request")
-    return value
+
+def max_abs(a: np.ndarray) -> float:
+    """max |a| as a Python float; NaN if ``a`` holds a NaN (two reductions, no temporary)."""
+    if not a.size:
+        return 0.0
+    return max(abs(float(a.max())), abs(float(a.min())))
 
 
 def loss_curve(losses: list[tuple[int, float]], points: int = 50) -> list[list[float]]:
@@ -122,6 +139,7 @@ class ServerCore:
     ) -> None:
         cfg = self.config = config.validate()
         self.kernel = kernels.resolve(cfg.kernel, cfg.kernel_device)
+        kernels.preload(self.kernel)
         self.protocol = make_protocol(cfg)
         self.lr_policy = make_lr_policy(cfg)
         self.schedule = Schedule(
@@ -139,6 +157,11 @@ class ServerCore:
         self.update_seconds = 0.0  # time spent in the update kernel
         self.first_update_at: float | None = None
         self.last_update_at: float | None = None
+        self.resumed_from: int | None = None  # the checkpoint's clock, after a restore
+        self.forgotten: Counter[str] = Counter()  # totals of departed learners no longer listed
+        self._departed: collections.deque[int] = collections.deque()
+        self._weights_bound = 0.0  # ≥ max |θ| (exact after a check, grows by each update's bound)
+        self._momentum_bound = 0.0  # ≥ max |v|
         self._shared_memory = shared_memory
         self._on_change, self._on_update, self._now = on_change, on_update, now
         self._next_id = 0
@@ -146,6 +169,8 @@ class ServerCore:
             layout = Layout.from_shapes((k, np.shape(a)) for k, a in initial.items())
             flat = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in initial.values()])
             lo, hi = self.shard.range(layout.size)
+            if not math.isfinite(max_abs(flat[lo:hi])):
+                raise ConfigError("the initial weights contain NaN or infinity")
             self._create_store(layout, flat[lo:hi])
 
     # -- queries ------------------------------------------------------------------------------
@@ -181,6 +206,7 @@ class ServerCore:
             "range": list(self.shard.range(layout.size)),
             **self.protocol.describe(),
             "clock": store.clock,
+            "resumed": self.resumed_from,
             "server": f"rudra-async {__version__}",
             "pid": os.getpid(),
             "groups": [g.to_wire() for g in self.groups],
@@ -197,7 +223,9 @@ class ServerCore:
             "shard": str(self.shard),
             "updates": self.clock,
             "gradients": self.staleness.total,
-            "dropped": sum(info.dropped for info in self.learners.values()),
+            "dropped": sum(info.dropped for info in self.learners.values()) + self.forgotten["dropped"],
+            "evictions": sum(info.evictions for info in self.learners.values()) + self.forgotten["evictions"],
+            "learners_forgotten": self.forgotten["learners"],
             "samples": self.samples,
             "update_seconds": self.update_seconds,
             **self.staleness.summary(),
@@ -207,6 +235,7 @@ class ServerCore:
                     "gradients": info.applied,
                     "dropped": info.dropped,
                     "connected": info.connected,
+                    "evictions": info.evictions,
                 }
                 for i, info in self.learners.items()
             },
@@ -230,13 +259,14 @@ class ServerCore:
     def register(self, meta: dict[str, Any], arrays: list[np.ndarray], peer: str) -> LearnerInfo:
         """A HELLO: check the layout and shard (the first hello of an empty server brings the
         initial weights), register the learner and tell the protocol."""
-        layout = Layout.from_wire(meta.get("layout"))
-        shard = Shard.from_wire(meta.get("shard"))
+        fields = schema.check(MsgType.HELLO, meta)
+        layout = Layout.from_wire(fields["layout"])
+        shard = Shard.from_wire(fields["shard"])
         if shard != self.shard:
             raise RequestError(
                 f"this server is shard {self.shard}; the learner asked for shard {shard}", code="shard_mismatch"
             )
-        groups = parse_groups(meta["groups"], layout) if meta.get("groups") is not None else None
+        groups = parse_groups(fields["groups"], layout) if fields.get("groups") is not None else None
         if self.store is None:
             self._initialize(layout, arrays, peer, groups)
         elif self.layout is None or layout.to_wire() != self.layout.to_wire():
@@ -247,7 +277,7 @@ class ServerCore:
                 f"{[g.to_wire() for g in self.groups]}",
                 code="groups_mismatch",
             )
-        info = LearnerInfo(self._next_id, str(meta.get("name", "")), peer)
+        info = LearnerInfo(self._next_id, fields["name"], peer, last_active=self._now())
         self._next_id += 1
         self.learners[info.learner_id] = info
         self._decide(self.protocol.join(info.learner_id))
@@ -256,24 +286,73 @@ class ServerCore:
         return info
 
     def leave(self, learner: LearnerInfo) -> None:
-        """The learner's connection ended (bye, crash or close)."""
+        """The learner's connection ended (bye, crash or close). Beyond ``learner_history``
+        departed learners, the oldest is dropped from the table (its counts stay in the totals)."""
         learner.connected = False
         self._decide(self.protocol.leave(learner.learner_id))
         self._on_change()
         log.info("learner %d (%s) left", learner.learner_id, learner.name)
+        self._departed.append(learner.learner_id)
+        while len(self._departed) > self.config.learner_history:
+            old = self.learners.pop(self._departed.popleft())
+            self.forgotten.update(learners=1, applied=old.applied, dropped=old.dropped, evictions=old.evictions)
+
+    def active(self, learner: LearnerInfo) -> None:
+        """A request of ``learner`` arrived; an evicted learner rejoins the protocol."""
+        learner.busy += 1
+        learner.last_active = self._now()
+        if learner.evicted and learner.connected:
+            learner.evicted = False
+            log.warning("learner %d (%s) is back and rejoins", learner.learner_id, learner.name)
+            self._decide(self.protocol.join(learner.learner_id))
+            self._on_change()
+
+    def idle(self, learner: LearnerInfo) -> None:
+        """A request of ``learner`` was answered (or refused)."""
+        learner.busy -= 1
+        learner.last_active = self._now()
+
+    def evict_hung(self, now: float, timeout: float) -> list[LearnerInfo]:
+        """Take out of the protocol every learner that has had its weights (no request of it
+        pending) for more than ``timeout`` seconds without pushing, so the others go on; it
+        rejoins with its next request (its late gradient is then dropped). Not for ``async``,
+        which waits for nobody."""
+        if type(self.protocol) is Async:
+            return []
+        hung = [
+            info
+            for info in self.learners.values()
+            if info.connected
+            and not info.evicted
+            and not info.busy
+            and info.learner_id in self.protocol.members
+            and now - info.last_active > timeout
+        ]
+        for info in hung:
+            info.evicted = True
+            info.evictions += 1
+            log.warning(
+                "learner %d (%s) evicted from the round: nothing from it for %.1f s (--learner-timeout %g)",
+                info.learner_id,
+                info.name,
+                now - info.last_active,
+                timeout,
+            )
+            self._decide(self.protocol.leave(info.learner_id))
+        if hung:
+            self._on_change()
+        return hung
 
     def push(self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame) -> PendingGradient:
         """Validate a PUSH and hand its gradient to the protocol. The core keeps the frame
         until the gradient is applied or dropped (then releases it)."""
         store = self._need_store()
-        if meta.get("learner_id", learner.learner_id) != learner.learner_id:
-            raise RequestError(f"learner id {meta.get('learner_id')!r} is not this connection's", code="bad_request")
-        stamp = int_field(meta, "timestamp")
-        samples = int_field(meta, "samples", 0)
+        fields = schema.check(MsgType.PUSH, meta)
+        if fields.get("learner_id", learner.learner_id) != learner.learner_id:
+            raise RequestError(f"learner id {fields['learner_id']!r} is not this connection's", code="bad_request")
+        stamp, samples = fields["timestamp"], fields["samples"]
         if not 0 <= stamp <= store.clock:
             raise RequestError(f"timestamp {stamp} is outside [0, {store.clock}]", code="bad_timestamp")
-        if samples < 0:
-            raise RequestError(f"samples must be >= 0, got {samples}", code="bad_request")
         if self.stopped:
             raise RequestError(f"the run is over ({self.config.max_updates} updates)", code="stopped")
         specs = frame.specs
@@ -285,12 +364,22 @@ class ServerCore:
         if specs[0].dtype not in (np.float32, np.float16):
             raise RequestError(f"gradient dtype must be <f4 or <f2, got {specs[0].dtype.str}", code="bad_dtype")
         grad = frame.arrays[0]
-        if not np.isfinite(grad).all():
+        magnitude = max_abs(grad)
+        if not math.isfinite(magnitude):
             raise RequestError("gradient contains NaN or infinity", code="bad_gradient")
-        loss = meta.get("loss")
-        if isinstance(loss, (int, float)) and not isinstance(loss, bool) and len(self.losses) < MAX_LOSSES:
+        bound = self.config.max_grad_norm
+        if bound is not None:
+            with np.errstate(over="ignore"):  # a norm past float32's range is inf: refused
+                norm = float(np.linalg.norm(grad))
+            if not norm <= bound:
+                raise RequestError(
+                    f"gradient norm {norm:.6g} is above the bound {bound:g} (--max-grad-norm)",
+                    code="gradient_too_large",
+                )
+        loss = fields.get("loss")
+        if loss is not None and math.isfinite(loss) and len(self.losses) < MAX_LOSSES:
             self.losses.append((store.clock, float(loss)))
-        pending = PendingGradient(learner.learner_id, frame.take(), grad, samples)
+        pending = PendingGradient(learner.learner_id, frame.take(), grad, samples, magnitude)
         decision = self.protocol.push(Gradient(learner.learner_id, stamp, pending))
         pending.wait_applied = decision.wait_applied
         self._decide(decision)
@@ -341,6 +430,10 @@ class ServerCore:
         store.clock = ckpt.clock
         self.protocol.start_at(ckpt.clock)
         store.updater.load_momentum(ckpt.momentum)
+        self._momentum_bound = max_abs(ckpt.momentum)
+        if not math.isfinite(self._weights_bound) or not math.isfinite(self._momentum_bound):
+            raise CheckpointError(f"{source} holds weights or momentum that are not finite")
+        self.resumed_from = ckpt.clock
         self.samples = ckpt.samples
         try:
             self.staleness.load(ckpt.state.get("staleness", {}))
@@ -374,6 +467,8 @@ class ServerCore:
                 f"(of shard {self.shard}) as one float32 segment of {hi - lo} values",
                 code="no_weights",
             )
+        if not math.isfinite(max_abs(arrays[0])):
+            raise RequestError("the initial weights contain NaN or infinity", code="no_weights")
         self._create_store(layout, arrays[0].reshape(-1), groups)
         log.info("weights initialized by %s: %d parameters in %d tensors", peer, layout.size, len(layout.tensors))
 
@@ -392,6 +487,7 @@ class ServerCore:
             shared.allocate if shared else None,
             shared.free if shared else None,
         )
+        self._weights_bound = max_abs(self.store.weights)
         return self.store
 
     def _decide(self, decision: Decision) -> None:
@@ -407,7 +503,8 @@ class ServerCore:
                 self._apply(batch)
         for g in decision.dropped:
             g.payload.settle("dropped")
-            self.learners[g.learner].dropped += 1
+            if g.learner in self.learners:
+                self.learners[g.learner].dropped += 1
         if decision.updates:
             self._drop_held_if_stopped()
         if decision.updates or decision.dropped:
@@ -423,7 +520,14 @@ class ServerCore:
                 self.reject("stopped")
 
     def _apply(self, batch: list[Gradient]) -> None:
-        """One update from c = len(batch) gradients (the formula is in docs/protocols.md)."""
+        """One update from c = len(batch) gradients (the formula is in docs/protocols.md).
+
+        An update whose result would not be finite is not applied: the weights and the
+        momentum stay as they were, the clock still advances (so every protocol's rounds stay
+        in step), and its gradients are refused with ``update_not_finite``. Checking costs
+        nothing on the common path: a bound on every intermediate value is kept from each
+        gradient's max |g| (measured when it was validated), and only an update whose bound
+        comes near float32's range is computed aside and checked before it is published."""
         store = self._need_store()
         cfg = self.config
         clock, c = store.clock, len(batch)
@@ -444,14 +548,44 @@ class ServerCore:
             cfg.nesterov,
         )
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
+        worst = SGD(max(g.sgd.lr for g in steps), cfg.momentum, max(g.sgd.weight_decay for g in steps), cfg.nesterov)
+        weights_bound, momentum_bound = self._bounds(pendings, scales, worst)  # the largest group's rates bound all
         t0 = time.perf_counter()
-        store.apply([p.grad for p in pendings], scales, steps)
+        grads = [p.grad for p in pendings]
+        if max(weights_bound, momentum_bound) <= SAFE_MAGNITUDE:
+            store.apply(grads, scales, steps)
+            self._weights_bound, self._momentum_bound = weights_bound, momentum_bound
+        elif store.apply(grads, scales, steps, check=True):
+            self._weights_bound = max_abs(store.weights)  # exact again after a near miss
+            self._momentum_bound = max_abs(store.updater.momentum) if cfg.momentum else self._momentum_bound
+        else:
+            self.update_seconds += time.perf_counter() - t0
+            message = f"the update at clock {clock} would make weights or momentum overflow; it was not applied"
+            log.warning("%s (gradients of learners %s)", message, sorted({p.learner_id for p in pendings}))
+            for p in pendings:
+                self.reject("update_not_finite")
+                p.refuse("update_not_finite", message)
+            return
         self.update_seconds += time.perf_counter() - t0
-        self.samples += samples
+        self.samples = min(self.samples + samples, MAX_RUN_SAMPLES)
         now = self._now()
         self.first_update_at = self.first_update_at or now
         self.last_update_at = now
         for p, s in zip(pendings, sigmas):
             self.staleness.add(s)
-            self.learners[p.learner_id].applied += 1
+            if p.learner_id in self.learners:
+                self.learners[p.learner_id].applied += 1
             p.settle("applied", s)
+
+    def _bounds(self, pendings: list[PendingGradient], scales: list[float], sgd: SGD) -> tuple[float, float]:
+        """Upper bounds of max |θ| and max |v| after this update, and (through them) of every
+        intermediate value of its float32 arithmetic (infinite when a factor is out of range)."""
+        if max(sgd.lr, sgd.weight_decay, *(abs(s) for s in scales)) > SAFE_MAGNITUDE:
+            return math.inf, math.inf
+        d = sum(abs(s) * p.magnitude for s, p in zip(scales, pendings)) + sgd.weight_decay * self._weights_bound
+        if sgd.momentum:
+            v = sgd.momentum * self._momentum_bound + d
+            step = d + sgd.momentum * v if sgd.nesterov else v
+        else:
+            v, step = self._momentum_bound, d
+        return self._weights_bound + sgd.lr * step, max(v, step)

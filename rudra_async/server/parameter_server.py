@@ -16,21 +16,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .. import checkpoint, transports
+from .. import checkpoint, security, transports
 from ..config import ServerConfig
-from ..errors import ConfigError, FrameTooLarge, PeerGone, RudraError
+from ..errors import ConfigError, PeerGone, RudraError
 from ..transports.base import Connection, Listener, SharedMemory
 from ..wire import Limits
 from .checkpointer import Checkpointer
 from .core import ServerCore
 from .session import Session
+from .stats import RateLimitedLog
 
 log = logging.getLogger(__name__)
+#: file descriptors kept free for everything but connections (checkpoints, logs, the loop)
+FD_RESERVE = 64
 
 
 def shared_memory_of(listen: list[str]) -> SharedMemory | None:
@@ -46,9 +51,23 @@ class ParameterServer:
     """A server for the weights of one model (or one shard of it); see the module docstring.
     ``initial`` (tensor name → array) seeds the weights instead of the first learner's hello."""
 
-    def __init__(self, config: ServerConfig | None = None, *, initial: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        *,
+        initial: dict[str, np.ndarray] | None = None,
+        secret: bytes | str | None = None,
+    ) -> None:
+        """``secret``: the shared secret learners must prove they know (default: the
+        contents of ``config.secret_file``, else the ``RUDRA_ASYNC_SECRET`` variable, else none)."""
         cfg = self.config = (config or ServerConfig()).validate()
+        self.secret = security.resolve_secret(secret, cfg.secret_file)
+        self.tls: ssl.SSLContext | None = (
+            security.server_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
+        )
+        self._check_exposure()
         self.limits = Limits(max_body=cfg.max_frame)
+        self.max_connections = cfg.max_connections
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_every, self.checkpoint)
         self.core = ServerCore(
             cfg,
@@ -67,6 +86,28 @@ class ParameterServer:
         self._blocked: set[int] = set()
         self._store_closed = False
         self._shutdown: asyncio.Future[None] | None = None
+        self._sessions: dict[Connection, Session] = {}  # in order of arrival
+        self._unregistered: dict[Session, None] = {}  # sessions before hello, oldest first
+        self._log = RateLimitedLog(log)
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def _check_exposure(self) -> None:
+        """Refuse to serve other hosts without a secret (unless ``insecure``); warn about
+        traffic that other hosts can reach and read."""
+        cfg = self.config
+        for url in cfg.listen:  # an address without a known scheme is that error, not an exposure
+            transports.transport_for(url)
+        exposed = [url for url in cfg.listen if not security.is_loopback(url)]
+        if exposed and self.secret is None:
+            if not cfg.insecure:
+                raise ConfigError(
+                    f"refusing to listen on {exposed[0]} without a secret: anyone who reaches it could read and "
+                    "overwrite the model; give --secret-file (or RUDRA_ASYNC_SECRET), or --insecure"
+                )
+            log.warning("listening on %s with no secret (--insecure): anyone who reaches it owns the model", exposed[0])
+        plain = [url for url in exposed if not (url.startswith("tcp://") and self.tls is not None)]
+        if plain and self.secret is not None:
+            log.warning("traffic on %s is not encrypted (give --tls-cert for TCP)", plain[0])
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -75,12 +116,14 @@ class ParameterServer:
         self._initialized = asyncio.Event()
         if self.core.store is not None:
             self._initialized.set()
+        self._fit_connection_limit()
         try:
             for url in self.config.listen:
-                self._listeners.append(await transports.listen(url, self._handle, limits=self.limits))
+                self._listeners.append(await self._listen(url))
         except BaseException:
             await self.close()
             raise
+        self._watchdog = asyncio.ensure_future(self._watch())
         log.info("parameter server listening on %s (%s)", ", ".join(self.addresses), self.core.protocol.describe())
 
     async def serve(self) -> None:
@@ -111,6 +154,8 @@ class ParameterServer:
         await asyncio.shield(self._shutdown)
 
     async def _shut_down(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
@@ -213,17 +258,97 @@ class ParameterServer:
             lost.cancel()
 
     # -- connections --------------------------------------------------------------------------
-    def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> None:
-        """Once the layout is known, refuse bodies far larger than any valid request (memory safety).
+    async def _listen(self, url: str) -> Listener:
+        if self.tls is not None and url.startswith("tcp://"):
+            return await transports.listen(
+                url,
+                self._handle,
+                limits=self.limits,
+                on_accept=self._accept,
+                tls=self.tls,
+                tls_timeout=self.config.handshake_timeout,
+            )
+        return await transports.listen(url, self._handle, limits=self.limits, on_accept=self._accept)
 
-        Up to twice the model size is still read, so a float64 gradient gets a precise
-        ``bad_dtype`` answer instead of a dropped connection.
-        """
-        store = self.core.store
-        if store is not None and nbytes > 2 * store.layout.nbytes + 65536:
-            raise FrameTooLarge(f"body of {nbytes} bytes is far larger than the model ({store.layout.nbytes} bytes)")
-        return None  # the reader's reusable pool takes it
+    def _fit_connection_limit(self) -> None:
+        """Raise the open-file limit as far as allowed, and keep ``max_connections`` below it,
+        so that running out of descriptors never locks learners out silently."""
+        try:
+            import resource
+        except ImportError:  # not on POSIX
+            return
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = self.config.max_connections + FD_RESERVE
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                soft = new
+            except (ValueError, OSError):
+                pass
+        if soft != resource.RLIM_INFINITY and soft < want:
+            self.max_connections = max(1, soft - FD_RESERVE)
+            log.warning(
+                "only %d file descriptors: at most %d connections (not --max-connections %d)",
+                soft,
+                self.max_connections,
+                self.config.max_connections,
+            )
+
+    def refused(self, code: str, message: str) -> None:
+        """Count a refusal under ``code`` and log it (at most a few lines a second)."""
+        self.core.reject(code)
+        self._log.warning("refused [%s] %s", code, message)
+
+    def _accept(self, conn: Connection) -> None:
+        """A new connection, before any of its bytes is parsed: its limits (the session's
+        ``admit``), its handshake deadline, and the connection limits."""
+        if self.closing:
+            conn.close()
+            return
+        if len(self._sessions) >= self.max_connections:
+            self.refused("too_many_connections", f"{conn.peer}: already {len(self._sessions)} connections")
+            conn.close()
+            return
+        if len(self._unregistered) >= self.config.max_unauthenticated:
+            oldest = next(iter(self._unregistered))
+            self.refused(
+                "evicted", f"{oldest.conn.peer}: the oldest of {len(self._unregistered)} connections without hello"
+            )
+            self._forget(oldest)
+            oldest.conn.close()
+        session = Session(self, conn)
+        conn.admit = session.admit
+        self._sessions[conn] = session
+        self._unregistered[session] = None
+
+    def registered(self, session: Session) -> None:
+        """The session said hello: it no longer counts against ``max_unauthenticated``."""
+        self._unregistered.pop(session, None)
+
+    def _forget(self, session: Session) -> None:
+        self._unregistered.pop(session, None)
+        self._sessions.pop(session.conn, None)
 
     async def _handle(self, conn: Connection) -> None:
-        conn.allocator = self._allocate
-        await Session(self, conn).run()
+        session = self._sessions.get(conn)
+        if session is None:  # refused on arrival
+            return
+        try:
+            await session.run()
+        finally:
+            self._forget(session)
+
+    async def _watch(self) -> None:
+        """Enforce the deadlines: close connections past theirs, evict hung learners."""
+        cfg = self.config
+        timeouts = [t for t in (cfg.handshake_timeout, cfg.idle_timeout, cfg.learner_timeout) if t]
+        tick = min(1.0, max(0.02, min(timeouts) / 8))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                if session.deadline is not None and now > session.deadline:
+                    session.expire()
+            if cfg.learner_timeout:
+                self.core.evict_hung(now, cfg.learner_timeout)

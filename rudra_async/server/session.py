@@ -2,81 +2,193 @@
 
 ::
 
-    AWAITING_HELLO --HELLO--> READY --BYE--> CLOSED
-          |                     |
-          +------BYE------------+--> CLOSED   (or the connection is lost, or a fatal framing error)
+    AUTHENTICATING --AUTH--> CHALLENGED --PROOF--> AWAITING_HELLO --HELLO--> READY --BYE--> CLOSED
+          |                       |                      |                      |
+          +-- anything else, a wrong proof: fatal -------+------BYE-------------+--> CLOSED
 
-Each state accepts a fixed set of message types; every request gets exactly one reply (an
-ERROR with a stable code for anything refused). A handshake step such as authentication
-is one more state in front of AWAITING_HELLO.
+A server without a secret starts connections in AWAITING_HELLO. Each state accepts a fixed
+set of message types, one handler per (state, type); every request gets exactly one reply
+(an ERROR with a stable code for anything refused). The session also owns the
+connection's limits, which depend on its state and are in force from the first byte
+(:meth:`Session.admit`, installed when the connection is accepted), and its deadline
+(handshake, idle, a reply not read), which the server's watchdog enforces.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import RequestError, RudraError, WireError
+from .. import schema, security
+from ..errors import FrameTooLarge, RequestError, RudraError, WireError
 from ..transports.base import Connection
-from ..wire import Frame, MsgType
-from .core import LearnerInfo, int_field
+from ..wire import Frame, Header, MsgType
+from .core import LearnerInfo
 
 if TYPE_CHECKING:
     from .parameter_server import ParameterServer
 
 log = logging.getLogger(__name__)
 
+#: largest metadata of a handshake frame (AUTH, PROOF); they carry no body
+HANDSHAKE_META = 1024
+#: largest metadata and body of any frame but HELLO before the hello
+PRE_HELLO_FRAME = 64 * 1024
+#: slack over twice the model's size for a body once the layout is known
+BODY_SLACK = 65536
+AUTH_REQUIRED = "this server requires authentication (a shared secret) before any other message"
+
 
 class State(enum.Enum):
+    AUTHENTICATING = "authenticating"
+    CHALLENGED = "challenged"
     AWAITING_HELLO = "awaiting hello"
     READY = "ready"
     CLOSED = "closed"
 
 
+Handler = Callable[["Session", Frame], Awaitable[None]]
+
+
 class Session:
-    """Serves one connection until BYE, loss of the connection, or a fatal framing error."""
+    """Serves one connection until BYE, loss of the connection, a fatal error or its deadline."""
 
     def __init__(self, server: ParameterServer, conn: Connection) -> None:
         self.server = server
         self.core = server.core
         self.conn = conn
-        self.state = State.AWAITING_HELLO
+        self.secret = server.secret
+        self.state = State.AUTHENTICATING if self.secret is not None else State.AWAITING_HELLO
         self.learner: LearnerInfo | None = None
-        self._handlers: dict[State, dict[int, Callable[[Frame], Awaitable[None]]]] = {
-            State.AWAITING_HELLO: {MsgType.HELLO: self._hello, MsgType.BYE: self._bye},
-            State.READY: {MsgType.PUSH: self._push, MsgType.PULL: self._pull, MsgType.BYE: self._bye},
-        }
+        self._client_nonce = b""
+        self._server_nonce = b""
+        now = time.monotonic()
+        self.accepted_at = now
+        #: when the watchdog closes this connection (None: no deadline now), and why
+        self.deadline: float | None = now + server.config.handshake_timeout
+        self.deadline_code = "handshake_timeout"
 
+    @property
+    def registered(self) -> bool:
+        """True once the peer authenticated and said hello."""
+        return self.state is State.READY or self.learner is not None
+
+    # -- limits, in force from the first byte ----------------------------------------------
+    def admit(self, header: Header) -> None:
+        """Refuse (fatally, before anything of it is allocated) a frame larger than this
+        state allows: the handshake frames are tiny and carry no body; before HELLO every
+        other frame is small; the HELLO may bring the initial weights (``--max-model-bytes``)
+        to a server without weights; once the model exists, no body may be far larger than it."""
+        state = self.state
+        if state in (State.AUTHENTICATING, State.CHALLENGED):
+            if header.meta_len > HANDSHAKE_META or header.body_len:
+                raise FrameTooLarge(
+                    f"a frame of {header.meta_len}+{header.body_len} bytes before authentication",
+                    msg_type=header.msg_type,
+                )
+            return
+        store = self.core.store
+        if state is State.AWAITING_HELLO and header.msg_type != MsgType.HELLO:
+            if header.meta_len > PRE_HELLO_FRAME or header.body_len > PRE_HELLO_FRAME:
+                raise FrameTooLarge(
+                    f"a frame of {header.meta_len}+{header.body_len} bytes before hello", msg_type=header.msg_type
+                )
+            return
+        if store is None:
+            limit = self.server.config.max_model_bytes
+            if header.body_len > limit:
+                raise FrameTooLarge(
+                    f"body of {header.body_len} bytes: the initial weights may have at most {limit} (--max-model-bytes)",
+                    msg_type=header.msg_type,
+                )
+        elif header.body_len > 2 * store.layout.nbytes + BODY_SLACK:
+            raise FrameTooLarge(
+                f"body of {header.body_len} bytes is far larger than the model ({store.layout.nbytes} bytes)",
+                msg_type=header.msg_type,
+            )
+
+    # -- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
         try:
             while self.state is not State.CLOSED:
+                self._await_request()
                 try:
                     frame = await self.conn.recv()
                 except WireError as exc:  # fatal: the byte stream lost sync
-                    await self._refuse(exc.code, str(exc), fatal=True, seq=None)
+                    code = self._fatal_code(exc)
+                    message = AUTH_REQUIRED if code == "auth_required" else str(exc)
+                    await self._refuse(code, message, fatal=True, seq=None)
                     return
+                self.deadline = None
+                learner = self.learner
+                if learner is not None:
+                    self.core.active(learner)
                 try:
                     await self._dispatch(frame)
-                except RequestError as exc:
-                    await self._refuse(exc.code, str(exc), fatal=False, seq=frame.meta.get("seq"))
+                except RequestError as exc:  # during the handshake every refusal is fatal
+                    fatal = exc.code in FATAL or self.state in (State.AUTHENTICATING, State.CHALLENGED)
+                    await self._refuse(exc.code, str(exc), fatal=fatal, seq=frame.meta.get("seq"))
                 finally:
                     frame.release()  # a no-op for a frame the core took
+                    if learner is not None:
+                        self.core.idle(learner)
         finally:
             self.state = State.CLOSED
             if self.learner is not None:
                 self.core.leave(self.learner)
 
+    def _await_request(self) -> None:
+        """Set the deadline for the next request: the handshake's (fixed at accept) until
+        hello, then the idle timeout."""
+        if self.state is State.READY:
+            idle = self.server.config.idle_timeout
+            self.deadline = time.monotonic() + idle if idle else None
+            self.deadline_code = "idle_timeout"
+
+    def _fatal_code(self, exc: WireError) -> str:
+        """A frame too large for an unauthenticated peer that is a learner's request means the
+        peer does not authenticate: say so rather than ``frame_too_large``."""
+        requests = (MsgType.HELLO, MsgType.PUSH, MsgType.PULL, MsgType.BYE)
+        if self.state is State.AUTHENTICATING and isinstance(exc, FrameTooLarge) and exc.msg_type in requests:
+            return "auth_required"
+        return exc.code
+
+    def expire(self) -> None:
+        """The deadline passed: count, log and close (the loop then ends with the connection)."""
+        self.server.refused(self.deadline_code, f"{self.conn.peer}: {self._expired_because()}")
+        self.deadline = None
+        self.conn.close()
+
+    def _expired_because(self) -> str:
+        cfg = self.server.config
+        if self.deadline_code == "handshake_timeout":
+            return f"no hello within {cfg.handshake_timeout:g} s"
+        if self.deadline_code == "reply_not_read":
+            return f"a reply not read within {cfg.idle_timeout:g} s"
+        return f"no request for {cfg.idle_timeout:g} s"
+
     async def _dispatch(self, frame: Frame) -> None:
         if frame.error is not None:
+            if self.state in (State.AUTHENTICATING, State.CHALLENGED):
+                raise RequestError("authenticate first", code="auth_required")
             raise RequestError(str(frame.error), code=frame.error.code)
-        handler = self._handlers[self.state].get(frame.msg_type)
+        handler = HANDLERS[self.state].get(frame.msg_type)
         if handler is not None:
-            await handler(frame)
+            await handler(self, frame)
             return
+        if self.state is State.AUTHENTICATING:
+            raise RequestError(AUTH_REQUIRED, code="auth_required")
+        if self.state is State.CHALLENGED:
+            raise RequestError("expected the proof (PROOF)", code="auth_failed")
+        if frame.msg_type == MsgType.AUTH:
+            if self.secret is None:
+                raise RequestError("this server has no secret: it cannot authenticate", code="auth_unavailable")
+            raise RequestError("already authenticated", code="bad_request")
         if frame.msg_type not in (MsgType.HELLO, MsgType.PUSH, MsgType.PULL):
             raise RequestError(f"unknown message type {frame.msg_type}", code="unknown_type")
         if self.state is State.AWAITING_HELLO:
@@ -84,22 +196,43 @@ class Session:
         raise RequestError("hello twice on one connection", code="bad_request")
 
     # -- handlers, one per (state, message type) --------------------------------------------
+    async def _auth(self, frame: Frame) -> None:
+        fields = self._fields(frame)
+        assert self.secret is not None
+        self._client_nonce, self._server_nonce = fields["nonce"], security.new_nonce()
+        proof = security.server_proof(self.secret, self._client_nonce, self._server_nonce)
+        self.state = State.CHALLENGED
+        await self._reply(MsgType.CHALLENGE, {"nonce": self._server_nonce, "proof": proof}, frame.meta)
+
+    async def _proof(self, frame: Frame) -> None:
+        fields = self._fields(frame)
+        assert self.secret is not None
+        expected = security.client_proof(self.secret, self._client_nonce, self._server_nonce)
+        if not security.verify(expected, fields["proof"]):
+            raise RequestError("wrong proof: the learner does not know the server's secret", code="auth_failed")
+        self.state = State.AWAITING_HELLO
+        await self._reply(MsgType.AUTHENTICATED, {}, frame.meta)
+
     async def _hello(self, frame: Frame) -> None:
         self.learner = self.core.register(frame.meta, frame.arrays, self.conn.peer)
         self.state = State.READY
+        self.server.registered(self)
         await self._reply(MsgType.WELCOME, self.core.welcome(self.learner), frame.meta)
 
     async def _bye(self, frame: Frame) -> None:
+        self._fields(frame)
         await self._reply(MsgType.BYE, {}, frame.meta)
         self.state = State.CLOSED
 
     async def _push(self, frame: Frame) -> None:
         learner = self._learner()
-        pending = self.core.push(learner, frame.meta, frame)  # the core takes the frame
+        pending = self.core.push(learner, frame.meta, frame)  # the core checks the fields and takes the frame
         if pending.wait_applied:
             await self.server.wait_until(lambda: pending.settled, self.conn, learner.learner_id)
-        if frame.meta.get("pull"):
+        if frame.meta.get("pull") is True:
             await self._send_weights(frame.meta, newer_than=-1)
+        elif pending.outcome == "refused":
+            raise RequestError(pending.refusal, code=pending.refusal_code)
         else:
             ack = {
                 "timestamp": self.core.clock,
@@ -110,9 +243,13 @@ class Session:
             await self._reply(MsgType.ACK, ack, frame.meta)
 
     async def _pull(self, frame: Frame) -> None:
-        await self._send_weights(frame.meta, newer_than=int_field(frame.meta, "newer_than", -1))
+        await self._send_weights(frame.meta, newer_than=self._fields(frame)["newer_than"])
 
     # -- replies ------------------------------------------------------------------------------
+    def _fields(self, frame: Frame) -> dict[str, Any]:
+        """The request's fields, checked against its schema (``bad_request`` naming a field)."""
+        return schema.check(MsgType(frame.msg_type), frame.meta)
+
     def _learner(self) -> LearnerInfo:
         assert self.learner is not None, "READY implies a registered learner"
         return self.learner
@@ -134,19 +271,42 @@ class Session:
     ) -> None:
         if "seq" in request:
             meta["seq"] = request["seq"]
-        await self.conn.send(msg_type, meta, arrays)
+        await self._send(msg_type, meta, arrays)
+
+    async def _send(self, msg_type: MsgType, meta: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> None:
+        """Send with a deadline: a peer that does not read its reply is closed after the idle timeout."""
+        idle = self.server.config.idle_timeout
+        if idle and self.state is State.READY:
+            self.deadline, self.deadline_code = time.monotonic() + idle, "reply_not_read"
+        try:
+            await self.conn.send(msg_type, meta, arrays)
+        finally:
+            if self.deadline_code == "reply_not_read":
+                self.deadline = None
 
     async def _refuse(self, code: str, message: str, *, fatal: bool, seq: Any) -> None:
         """Count, log and answer a refused request; a fatal refusal ends the session."""
-        self.core.reject(code)
         who = f"learner {self.learner.learner_id}" if self.learner else "unregistered peer"
-        log.warning("rejected input from %s (%s): [%s] %s", self.conn.peer, who, code, message)
+        self.server.refused(code, f"input from {self.conn.peer} ({who}): {message}")
         meta: dict[str, Any] = {"code": code, "message": message, "fatal": fatal}
         if seq is not None:
             meta["seq"] = seq
         if fatal:
             self.state = State.CLOSED
         try:
-            await self.conn.send(MsgType.ERROR, meta)
+            await self._send(MsgType.ERROR, meta)
         except RudraError:
             pass
+
+
+#: refusals after which the connection is closed (the handshake's)
+FATAL = frozenset({"auth_required", "auth_failed"})
+
+#: the handlers, one per (state, message type)
+HANDLERS: dict[State, dict[int, Handler]] = {
+    State.AUTHENTICATING: {MsgType.AUTH: Session._auth},
+    State.CHALLENGED: {MsgType.PROOF: Session._proof},
+    State.AWAITING_HELLO: {MsgType.HELLO: Session._hello, MsgType.BYE: Session._bye},
+    State.READY: {MsgType.PUSH: Session._push, MsgType.PULL: Session._pull, MsgType.BYE: Session._bye},
+    State.CLOSED: {},
+}

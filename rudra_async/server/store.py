@@ -64,14 +64,32 @@ class WeightStore:
                 if buf is not self._current:
                     self._spares.append(buf)
 
-    def apply(self, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps) -> int:
-        """Fold the gradients into the weights, advance the clock, return it."""
+    def apply(self, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps, *, check: bool = False) -> bool:
+        """Fold the gradients into the weights and advance the clock.
+
+        With ``check``, the new weights are computed into a spare buffer and the momentum is
+        saved first; if any new weight or momentum value is not finite, both stay as they
+        were (the clock still advances) and False is returned."""
         src = self._current
-        dst = src if id(src) not in self._leases else self._spare()
-        self.updater.apply(src, dst, grads, scales, steps)
-        self._current = dst
+        if not check:
+            dst = src if id(src) not in self._leases else self._spare()
+            self.updater.apply(src, dst, grads, scales, steps)
+            self._current = dst
+            self.clock += 1
+            return True
+        saved = self.updater.momentum
+        dst = self._spare()
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what the check is for
+            self.updater.apply(src, dst, grads, scales, steps)
         self.clock += 1
-        return self.clock
+        if np.isfinite(dst).all() and np.isfinite(self.updater.momentum).all():
+            self._current = dst
+            if id(src) not in self._leases:
+                self._spares.append(src)
+            return True
+        self.updater.load_momentum(saved)
+        self._spares.append(dst)
+        return False
 
     def _spare(self) -> np.ndarray:
         return self._spares.pop() if self._spares else self._new_buffer()

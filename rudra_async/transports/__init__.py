@@ -8,6 +8,7 @@ under the entry-point group ``rudra_async.transports`` with the URL scheme as th
 from __future__ import annotations
 
 import importlib
+import ssl
 from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import urlsplit
@@ -15,7 +16,7 @@ from urllib.parse import urlsplit
 from ..errors import ConfigError
 from ..registry import load_entry_point
 from ..wire import Limits
-from .base import Connection, Listener, OnConnection, SharedMemory, Transport
+from .base import Connection, Listener, OnAccept, OnConnection, SharedMemory, Transport
 
 BUILTIN = {
     "tcp": "rudra_async.transports.tcp",
@@ -50,9 +51,36 @@ def transport_for(url: str) -> Transport:
     return found
 
 
-async def connect(url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> Connection:
-    return await transport_for(url).connect(url, limits=limits, timeout=timeout)
+def _tls_options(transport: Transport, url: str, tls: ssl.SSLContext | None, timeout: float) -> dict[str, Any]:
+    if tls is None:
+        return {}
+    if not transport.supports_tls:
+        raise ConfigError(f"TLS is for tcp:// addresses; {url} cannot use it")
+    return {"tls": tls, "tls_timeout": timeout}
 
 
-async def listen(url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> Listener:
-    return await transport_for(url).listen(url, on_connection, limits=limits)
+async def connect(
+    url: str, *, limits: Limits = Limits(), timeout: float = 10.0, tls: ssl.SSLContext | None = None
+) -> Connection:
+    """Connect to ``url`` (with ``tls``, an ``ssl.SSLContext``, over TLS: tcp only)."""
+    transport = transport_for(url)
+    return await transport.connect(url, limits=limits, timeout=timeout, **_tls_options(transport, url, tls, timeout))
+
+
+async def listen(
+    url: str,
+    on_connection: OnConnection,
+    *,
+    limits: Limits = Limits(),
+    on_accept: OnAccept | None = None,
+    tls: ssl.SSLContext | None = None,
+    tls_timeout: float = 10.0,
+) -> Listener:
+    """Listen on ``url``; ``on_accept(conn)`` runs for each accepted connection before any
+    of its bytes is parsed (see :meth:`~.base.Transport.listen`); with ``tls`` (tcp only)
+    connections are TLS, each handshake given ``tls_timeout`` seconds."""
+    transport = transport_for(url)
+    options: dict[str, Any] = _tls_options(transport, url, tls, tls_timeout)
+    if on_accept is not None:
+        options["on_accept"] = on_accept
+    return await transport.listen(url, on_connection, limits=limits, **options)

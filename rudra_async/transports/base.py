@@ -46,6 +46,11 @@ What :class:`Connection` does for a transport: the life cycle and the inbox. ``r
 implements only ``send`` and ``_close_link`` (how its link closes), and reports what
 arrives through the subclass API:
 
+- ``admit(header)`` and ``allocator(...)``, hooks a user of the connection may set (the
+  server does, from the moment a connection is accepted): a transport builds its readers
+  with ``FrameReader(limits, self._allocate, admit=self._admit)`` so both apply from the
+  first byte; a transport that resolves bodies itself (shared memory) calls
+  ``self._admit(header)`` before touching a body.
 - ``_deliver(frame_or_fatal_error)`` queues a frame in the bounded inbox and wakes
   ``recv``; a fatal :class:`~rudra_async.errors.WireError` (then in ``_fatal``) is raised
   by every later ``recv``, and nothing after it is queued. ``_advance(reader, n)`` does this for bytes
@@ -72,7 +77,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import copy
 import logging
+import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -81,7 +88,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..errors import ConfigError, ConnectionClosed, PeerGone, RudraError, WireError
-from ..wire import Allocator, Frame, FrameReader, Limits
+from ..wire import Admit, Allocator, Frame, FrameReader, Header, Limits
 
 if TYPE_CHECKING:
     from .blocking import BlockingConnection
@@ -103,6 +110,9 @@ class Connection(abc.ABC):
     #: optional hook choosing where a received body goes (see ``wire.Allocator``); a
     #: transport that hands out bodies in place (shared memory) may ignore it
     allocator: Allocator | None = None
+    #: optional hook checking each incoming header before anything of its frame is
+    #: allocated (see ``wire.Admit``); a server sets it when the connection is accepted
+    admit: Admit | None = None
     #: the inbox is full at this many unconsumed frames ...
     _inbox_frames: int = 8
     #: ... or this many bytes of unconsumed bodies, whichever comes first (one frame is always taken)
@@ -136,7 +146,7 @@ class Connection(abc.ABC):
             if self._inbox:
                 return self._take()
             if self._lost is not None:
-                raise self._lost
+                raise _fresh(self._lost)
             self._arrived.clear()
             await self._arrived.wait()
 
@@ -145,6 +155,7 @@ class Connection(abc.ABC):
         if self._closed:
             return
         self._closed = True
+        self.allocator = self.admit = None  # hooks refer back to their owner: no cycle outlives the close
         try:
             self._close_link()
         except Exception:  # the contract: close never raises
@@ -205,6 +216,11 @@ class Connection(abc.ABC):
         """:attr:`allocator` as a ``FrameReader``'s ``allocate`` (it may be set at any time)."""
         return self.allocator(msg_type, meta, nbytes) if self.allocator is not None else None
 
+    def _admit(self, header: Header) -> None:
+        """:attr:`admit` as a ``FrameReader``'s ``admit`` (it may be set at any time)."""
+        if self.admit is not None:
+            self.admit(header)
+
     def _connection_lost(self, reason: PeerGone) -> None:
         """The link broke or the peer closed: ``recv`` raises ``reason`` once the inbox is
         empty, ``send`` raises it at once. Idempotent (the first reason stays)."""
@@ -217,7 +233,7 @@ class Connection(abc.ABC):
         if self._closed:
             raise ConnectionClosed("connection closed locally")
         if self._lost is not None:
-            raise self._lost
+            raise _fresh(self._lost)
 
     @property
     def _inbox_full(self) -> bool:
@@ -243,7 +259,7 @@ class Connection(abc.ABC):
     def _take(self) -> Frame:
         item = self._inbox[0]
         if isinstance(item, WireError):
-            raise item  # stays: the connection is unusable from here on
+            raise _fresh(item)  # stays: the connection is unusable from here on
         self._inbox.popleft()
         self._inbox_nbytes -= item.body.nbytes
         if not self._inbox_full:
@@ -257,6 +273,15 @@ class Connection(abc.ABC):
         self._room.set()
         if not self._ended.done():
             self._ended.set_result(None)
+
+
+def _fresh(exc: RudraError) -> RudraError:
+    """A copy of a stored exception to raise: raising the stored one would hang the
+    traceback (and every frame and buffer it holds) on the connection, a reference cycle
+    that only the cycle collector would break."""
+    fresh = copy.copy(exc)
+    fresh.__traceback__ = None
+    return fresh
 
 
 class SharedMemory(abc.ABC):
@@ -284,28 +309,38 @@ class Transport(abc.ABC):
       process can reach it; e.g. ``memory://``). The conformance suite then skips the
       crash check and ``train`` refuses it for learner processes.
     - :meth:`shared_memory`: memory this transport sends without copying, or None.
+    - ``supports_tls``: ``connect``/``listen`` accept ``tls=ssl_context`` (``tcp`` does).
     - :meth:`connect_blocking`: a blocking connection for code without an event loop (the
       blocking client uses it, and otherwise drives the asyncio one), or None.
     """
 
     scheme: str = ""
     in_process: bool = False
+    #: True when ``connect`` and ``listen`` take ``tls=`` (an ``ssl.SSLContext``) and
+    #: ``tls_timeout=`` (seconds for the TLS handshake)
+    supports_tls: bool = False
 
     @abc.abstractmethod
     async def connect(self, url: str, *, limits: Limits, timeout: float) -> Connection:
         """Connect to ``url``; ConnectError at once if refused, or after ``timeout`` seconds."""
 
     @abc.abstractmethod
-    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits) -> Listener:
-        """Listen on ``url``; ConnectError at once if it cannot (e.g. the address is in use)."""
+    async def listen(
+        self, url: str, on_connection: OnConnection, *, limits: Limits, on_accept: OnAccept | None = None
+    ) -> Listener:
+        """Listen on ``url``; ConnectError at once if it cannot (e.g. the address is in use).
+        ``on_accept(conn)`` runs synchronously for each accepted connection before any of
+        its bytes is parsed (``ServingListener`` does this), then ``on_connection(conn)``."""
 
     def shared_memory(self) -> SharedMemory | None:
         """Memory this transport sends by reference (see :class:`SharedMemory`), or None."""
         return None
 
-    def connect_blocking(self, url: str, *, limits: Limits, timeout: float) -> BlockingConnection | None:
-        """A blocking connection to ``url`` (see :mod:`rudra_async.transports.blocking`), or None
-        when this transport has none."""
+    def connect_blocking(
+        self, url: str, *, limits: Limits, timeout: float, tls: ssl.SSLContext | None = None
+    ) -> BlockingConnection | None:
+        """A blocking connection to ``url`` (see :mod:`rudra_async.transports.blocking`), over
+        TLS with ``tls`` where the transport supports it, or None when it has none."""
         return None
 
 
@@ -322,30 +357,49 @@ class Listener(abc.ABC):
 
 
 OnConnection = Callable[[Connection], Awaitable[None]]
+#: called once per accepted connection, synchronously, before any byte from it is parsed
+#: (it may set the connection's ``admit``/``allocator`` hooks, or close it at once)
+OnAccept = Callable[[Connection], None]
 
 
 class ServingListener(Listener):
     """A listener that runs ``on_connection`` once per accepted connection and closes the
     connection when it returns; subclasses only accept (``_spawn`` or ``await _serve``)
-    and stop accepting (``_stop_accepting``)."""
+    and stop accepting (``_stop_accepting``). ``on_accept`` runs first, synchronously:
+    a subclass hands a connection over before reading from it."""
 
-    def __init__(self, on_connection: OnConnection) -> None:
+    def __init__(self, on_connection: OnConnection, on_accept: OnAccept | None = None) -> None:
         self._on_connection = on_connection
+        self._on_accept = on_accept
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.address = ""
 
     def _spawn(self, conn: Connection) -> None:
-        """Serve ``conn`` in a task of its own."""
-        asyncio.get_running_loop().create_task(self._serve(conn))
+        """Serve ``conn`` in a task of its own (``on_accept`` runs now, before this returns)."""
+        self._accepted(conn)
+        asyncio.get_running_loop().create_task(self._serve(conn, accepted=True))
 
-    async def _serve(self, conn: Connection) -> None:
-        """Serve ``conn`` in the current task (for transports that call back in a task)."""
+    def _accepted(self, conn: Connection) -> None:
+        if self._on_accept is not None:
+            try:
+                self._on_accept(conn)
+            except Exception:  # a hook bug must not take the listener down
+                log.exception("accepting %s failed", conn.peer)
+                conn.close()
+
+    async def _serve(self, conn: Connection, *, accepted: bool = False) -> None:
+        """Serve ``conn`` in the current task (for transports that call back in a task);
+        call it before the connection reads anything, so that ``on_accept`` comes first."""
+        if not accepted:
+            self._accepted(conn)
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(conn)
         self._tasks.add(task)
         try:
+            if conn.is_closed:  # refused by on_accept
+                return
             await self._on_connection(conn)
         except (RudraError, asyncio.CancelledError):
             pass

@@ -11,6 +11,7 @@ starting an event loop for every request.
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,10 @@ class BlockingConnection:
         self._check_open()
         views = [memoryview(part).cast("B") for part in encode_frame(msg_type, meta, arrays, self.limits)]
         try:
+            if isinstance(self._sock, ssl.SSLSocket):  # TLS records: no scatter-gather
+                for view in views:
+                    self._sock.sendall(view)
+                return
             while views:
                 sent = self._sock.sendmsg(views[:IOV_MAX])
                 while views and sent >= len(views[0]):
@@ -106,8 +111,11 @@ class BlockingConnection:
         return self._lost
 
 
-def connect_tcp(host: str, port: int, url: str, limits: Limits, timeout: float) -> BlockingConnection:
-    """A blocking TCP connection (TCP_NODELAY); ConnectError at once if refused, or after ``timeout``."""
+def connect_tcp(
+    host: str, port: int, url: str, limits: Limits, timeout: float, tls: ssl.SSLContext | None = None
+) -> BlockingConnection:
+    """A blocking TCP connection (TCP_NODELAY), over TLS with ``tls`` (the certificate checked
+    against ``host``); ConnectError at once if refused, or after ``timeout``."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except TimeoutError:
@@ -115,6 +123,12 @@ def connect_tcp(host: str, port: int, url: str, limits: Limits, timeout: float) 
     except OSError as exc:
         raise ConnectError(f"cannot connect to {url}: {exc.strerror or exc}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise ConnectError(f"cannot connect to {url}: {exc}") from None
     sock.settimeout(None)
     peer = sock.getpeername()
     return BlockingConnection(sock, limits, format_host_port("tcp", peer[0], peer[1]))

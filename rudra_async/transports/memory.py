@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import ConfigError, ConnectError, PeerGone
 from ..wire import FrameReader, Limits, encode_frame
-from .base import Connection, OnConnection, ServingListener, Transport
+from .base import Connection, OnAccept, OnConnection, ServingListener, Transport
 
 _listeners: dict[str, MemoryListener] = {}
 _names = itertools.count()
@@ -34,7 +34,7 @@ class MemoryConnection(Connection):
     def __init__(self, limits: Limits, peer: str) -> None:
         super().__init__(peer)
         self.limits = limits
-        self._reader = FrameReader(limits, self._allocate)
+        self._reader = FrameReader(limits, self._allocate, admit=self._admit)
         self.other: MemoryConnection | None = None
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
@@ -59,13 +59,14 @@ class MemoryConnection(Connection):
             self._advance(self._reader, n)
 
     def _close_link(self) -> None:
+        self._reader.close()
         if self.other is not None:
             self.other._connection_lost(PeerGone("connection closed by peer"))
 
 
 class MemoryListener(ServingListener):
-    def __init__(self, name: str, on_connection: OnConnection, limits: Limits) -> None:
-        super().__init__(on_connection)
+    def __init__(self, name: str, on_connection: OnConnection, limits: Limits, on_accept: OnAccept | None) -> None:
+        super().__init__(on_connection, on_accept)
         self.name = name
         self.address = f"memory://{name}"
         self.limits = limits
@@ -87,11 +88,13 @@ class MemoryTransport(Transport):
     #: the class of both ends of a pair (a subclass may change how they buffer)
     connection_type: type[MemoryConnection] = MemoryConnection
 
-    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> MemoryListener:
+    async def listen(
+        self, url: str, on_connection: OnConnection, *, limits: Limits = Limits(), on_accept: OnAccept | None = None
+    ) -> MemoryListener:
         name = _name(url) or f"auto-{next(_names)}"
         if name in _listeners:
             raise ConnectError(f"cannot listen on memory://{name}: address already in use")
-        listener = _listeners[name] = MemoryListener(name, on_connection, limits)
+        listener = _listeners[name] = MemoryListener(name, on_connection, limits, on_accept)
         return listener
 
     async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> MemoryConnection:

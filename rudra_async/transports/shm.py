@@ -34,12 +34,13 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..errors import ConfigError, FrameTooLarge, MalformedFrame, WireError
-from ..wire import Frame, Limits, encode_frame, parse_segments, spec_of
-from .base import OnConnection, SharedMemory, Transport
+from ..wire import Frame, Header, Limits, encode_frame, parse_segments, spec_of
+from .base import OnAccept, OnConnection, SharedMemory, Transport
 from .stream import OnMade, StreamConnection, StreamListener, open_stream, start_listener
 
 INLINE = 16 * 1024  # bodies up to this size go through the socket
 MAX_SEGMENTS = 4  # bodies one side may have outstanding before send waits
+MAX_ATTACHED = 4 * MAX_SEGMENTS  # peer segments kept mapped; the oldest mapping goes beyond
 RELEASE = 250  # internal message type: "I am done with your segment"
 _REF = "~shm"  # metadata key of a body reference
 _counter = itertools.count()
@@ -183,6 +184,11 @@ class ShmConnection(StreamConnection):
             offset = rest[0] if rest else 0
             if isinstance(nbytes, int) and nbytes > self.limits.max_body:
                 return FrameTooLarge(f"body of {nbytes} bytes exceeds the limit of {self.limits.max_body}")
+            if isinstance(nbytes, int) and nbytes >= 0:
+                try:  # the body's size passes the same check as a body sent inline, before any mapping
+                    self._admit(Header(frame.msg_type, 0, 0, nbytes))
+                except WireError as exc:
+                    return exc
             if not (
                 isinstance(name, str)
                 and isinstance(nbytes, int)
@@ -195,10 +201,12 @@ class ShmConnection(StreamConnection):
             parsed = parse_segments(meta, nbytes)
             shm = self._in.get(name)
             if shm is None:
+                if len(self._in) >= MAX_ATTACHED:
+                    self._in.pop(next(iter(self._in))).close()
                 shm = self._in[name] = _Attached(name)
             if shm.size < offset + nbytes:
                 raise MalformedFrame(f"segment {name} is smaller than the {offset + nbytes} bytes referenced")
-        except (MalformedFrame, ValueError, TypeError, FileNotFoundError) as exc:
+        except (MalformedFrame, ValueError, TypeError, OSError) as exc:
             err = exc if isinstance(exc, MalformedFrame) else MalformedFrame(f"bad shared-memory reference: {exc}")
             err.fatal = False
             return Frame(frame.msg_type, meta, memoryview(b""), [], err)
@@ -282,7 +290,9 @@ class ShmTransport(Transport):
     def shared_memory(self) -> SharedMemory:
         return exported
 
-    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> StreamListener:
+    async def listen(
+        self, url: str, on_connection: OnConnection, *, limits: Limits = Limits(), on_accept: OnAccept | None = None
+    ) -> StreamListener:
         """Listen on ``shm://NAME`` (``shm://`` picks a fresh name). Same host only."""
         name = _name(url) or f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
         loop = asyncio.get_running_loop()
@@ -299,7 +309,7 @@ class ShmTransport(Transport):
 
         peer = f"shm://{name}#peer"
         listener = await start_listener(
-            serve, url, on_connection, lambda on_made: ShmConnection(limits, peer=peer, on_made=on_made)
+            serve, url, on_connection, lambda on_made: ShmConnection(limits, peer=peer, on_made=on_made), on_accept
         )
         listener.address = f"shm://{name}"
         return listener

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import ConnectError, PeerGone
 from ..wire import FrameReader, Limits, encode_frame
-from .base import Connection, OnConnection, ServingListener, format_host_port
+from .base import Connection, OnAccept, OnConnection, ServingListener, format_host_port
 
 LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
 
@@ -33,11 +33,11 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         """``peer`` defaults to the socket's peer address; ``on_made`` is called once connected."""
         super().__init__(peer)
         self.limits = limits
-        self._reader = FrameReader(limits, self._allocate)
+        self._reader = FrameReader(limits, self._allocate, admit=self._admit)
         self._transport: asyncio.Transport | None = None
         self._drained = asyncio.Event()  # set when the write buffer emptied or the connection ended
         self._reading_paused = False
-        self._scratch = bytearray(65536)  # after a fatal error, input is read into this and dropped
+        self._scratch: bytearray | None = None  # after a fatal error, input is read into this and dropped
         self._on_made = on_made
 
     # -- asyncio callbacks ---------------------------------------------------------------
@@ -53,6 +53,8 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._fatal is not None:
+            if self._scratch is None:
+                self._scratch = bytearray(65536)
             return memoryview(self._scratch)
         return self._reader.get_buffer()
 
@@ -96,6 +98,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     def _close_link(self) -> None:
         self._drained.set()
+        self._reader.close()  # its buffers go now, not when the cycle collector runs
         transport = self._transport
         if transport is None:
             return
@@ -111,8 +114,8 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
 
 class StreamListener(ServingListener):
-    def __init__(self, on_connection: OnConnection) -> None:
-        super().__init__(on_connection)
+    def __init__(self, on_connection: OnConnection, on_accept: OnAccept | None = None) -> None:
+        super().__init__(on_connection, on_accept)
         self._server: asyncio.AbstractServer | None = None
 
     def _stop_accepting(self) -> None:
@@ -147,10 +150,12 @@ async def start_listener(
     url: str,
     on_connection: OnConnection,
     new_connection: Callable[[OnMade], StreamConnection],
+    on_accept: OnAccept | None = None,
 ) -> StreamListener:
     """Start a server with ``server_opener(factory)``, where the factory makes each accepted
-    connection with ``new_connection(on_made)``; map bind failures to ConnectError."""
-    listener = StreamListener(on_connection)
+    connection with ``new_connection(on_made)``; map bind failures to ConnectError.
+    ``on_accept`` runs in ``connection_made``, before the first byte is parsed."""
+    listener = StreamListener(on_connection, on_accept)
     try:
         listener._server = await server_opener(lambda: new_connection(listener._spawn))
     except OSError as exc:

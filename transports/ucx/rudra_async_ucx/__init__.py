@@ -26,6 +26,7 @@ import numpy as np
 from rudra_async.errors import ConnectError, PeerGone
 from rudra_async.transports.base import (
     Connection,
+    OnAccept,
     OnConnection,
     ServingListener,
     Transport,
@@ -64,7 +65,7 @@ class UcxConnection(Connection):
         self._reader = asyncio.get_running_loop().create_task(self._read_frames())
 
     async def _read_frames(self) -> None:
-        reader = FrameReader(self.limits, self._allocate, messages=True)
+        reader = FrameReader(self.limits, self._allocate, messages=True, admit=self._admit)
         try:
             while await self._inbox_room():
                 buf = reader.get_buffer()
@@ -73,6 +74,8 @@ class UcxConnection(Connection):
         except Exception as exc:  # ucxx raises several unrelated types
             where = " in the middle of a frame" if reader.mid_frame else ""
             self._connection_lost(PeerGone(f"connection lost{where}: {exc}"))
+        finally:
+            reader.close()
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
@@ -91,8 +94,8 @@ class UcxConnection(Connection):
 
 
 class UcxListener(ServingListener):
-    def __init__(self, host: str, on_connection: OnConnection, limits: Limits) -> None:
-        super().__init__(on_connection)
+    def __init__(self, host: str, on_connection: OnConnection, limits: Limits, on_accept: OnAccept | None) -> None:
+        super().__init__(on_connection, on_accept)
         self._limits = limits
         self._host = host
         self._listener: Any = None
@@ -109,11 +112,13 @@ class UcxListener(ServingListener):
 class UcxTransport(Transport):
     scheme = "ucx"
 
-    async def listen(self, url: str, on_connection: OnConnection, *, limits: Limits = Limits()) -> UcxListener:
+    async def listen(
+        self, url: str, on_connection: OnConnection, *, limits: Limits = Limits(), on_accept: OnAccept | None = None
+    ) -> UcxListener:
         """Listen on ``ucx://host:port`` (port 0 picks one). UCX listens on every interface."""
         host, port = parse_url(url)
         ucxx = _ucxx()
-        listener = UcxListener(host, on_connection, limits)
+        listener = UcxListener(host, on_connection, limits, on_accept)
         try:
             listener._listener = ucxx.create_listener(listener._handle, port)
         except Exception as exc:

@@ -1,0 +1,285 @@
+"""The metadata schema of every request: one table of fields per message type.
+
+Each field has a declared type, presence (required, or optional with a default) and range;
+:func:`check` reads a request's metadata against its table before anything uses it and
+answers a violation with :class:`~rudra_async.errors.RequestError` ``bad_request`` naming
+the field. Fields that are not declared are ignored (a newer client may send more). The
+field tables of ``docs/wire.md`` are generated from here (:func:`markdown_table`;
+``python -m rudra_async.schema`` prints them) and a test holds the two equal.
+
+Only the shape of a value is checked here; rules that need the server's state (a
+timestamp ahead of the clock, a layout that differs from the model's) stay with the server
+and keep their own codes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import RequestError
+from .wire import MAX_DIMS, MsgType
+
+__all__ = ["FIELDS", "Field", "check", "markdown_table"]
+
+INT64_MAX = 2**63 - 1
+NONCE_BYTES = 32  # the handshake's nonces and proofs (HMAC-SHA256)
+MAX_NAME = 256  # characters of a learner's name
+MAX_SAMPLES = 2**32  # examples behind one gradient
+MAX_TENSORS = 1 << 20  # tensors in a layout
+
+
+@dataclass(frozen=True)
+class Field:
+    """One metadata field. ``kind``: ``int``, ``bool``, ``str``, ``number`` (int or float),
+    ``bytes``, ``layout``, ``shard`` or ``any``; ``low``/``high`` bound an ``int`` (or a
+    ``number``), and a ``str``'s or ``bytes``' length with ``size``."""
+
+    name: str
+    kind: str
+    meaning: str
+    required: bool = False
+    default: Any = None
+    low: int | None = None
+    high: int | None = None
+    size: tuple[int, int] | None = None  # (min, max) length of a str or bytes
+
+    def describe_type(self) -> str:
+        kind = {
+            "layout": "list of `[str, list of int]`",
+            "shard": "`[int, int]`",
+            "groups": "list of `[int, float, float]`",
+            "number": "float or int",
+        }.get(self.kind, self.kind)
+        if self.kind in ("int", "number") and (self.low is not None or self.high is not None):
+            kind += " in " + _range(self.low, self.high)
+        if self.size is not None:
+            lo, hi = self.size
+            kind += f", {lo} bytes" if lo == hi else f", at most {hi} characters"
+        return kind
+
+    def describe_presence(self) -> str:
+        return "required" if self.required else "optional"
+
+    def describe_default(self) -> str:
+        if self.required:
+            return "—"
+        if self.default is None:
+            return "absent"
+        return f"`{_literal(self.default)}`"
+
+
+def _range(low: int | None, high: int | None) -> str:
+    def bound(v: int | None, inf: str) -> str:
+        if v is None:
+            return inf
+        if v == INT64_MAX:
+            return "2^63−1"
+        if v >= 1 << 20 and (v & (v - 1)) == 0:
+            return f"2^{v.bit_length() - 1}"
+        return str(v)
+
+    return f"[{bound(low, '−∞')}, {bound(high, '∞')}]"
+
+
+def _literal(value: Any) -> str:
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+SEQ = Field("seq", "any", "echoed unchanged in the reply (see [Sequence numbers](#frame))")
+
+#: the fields of every request a server reads, by message type, in checking order
+FIELDS: dict[MsgType, tuple[Field, ...]] = {
+    MsgType.AUTH: (
+        Field("nonce", "bytes", "the learner's fresh random nonce N_c", required=True, size=(NONCE_BYTES, NONCE_BYTES)),
+        SEQ,
+    ),
+    MsgType.PROOF: (
+        Field(
+            "proof",
+            "bytes",
+            "HMAC-SHA256(K, `rudra-async v1 client` ‖ N_c ‖ N_s)",
+            required=True,
+            size=(NONCE_BYTES, NONCE_BYTES),
+        ),
+        SEQ,
+    ),
+    MsgType.HELLO: (
+        Field("name", "str", "the learner's name, for logs and statistics", default="", size=(0, MAX_NAME)),
+        Field(
+            "layout",
+            "layout",
+            f"the whole model's tensors, in order: `[name, shape]` each; non-empty, at most {MAX_DIMS} dimensions each",
+            required=True,
+        ),
+        Field(
+            "shard",
+            "shard",
+            "`[index, count]` with 0 ≤ index < count: the shard this learner addresses",
+            default=[0, 1],
+        ),
+        Field(
+            "groups",
+            "groups",
+            "parameter groups, as `torch.optim` has them: `[tensors, lr, weight_decay]` for runs of consecutive "
+            "tensors in layout order, covering every tensor (`bad_groups` otherwise). The first HELLO (the one "
+            "that brings the initial weights) sets them; a later HELLO that carries groups must carry the same "
+            "(`groups_mismatch`), one without takes the server's. See [protocols.md](protocols.md#parameter-groups).",
+        ),
+        SEQ,
+    ),
+    MsgType.PUSH: (
+        Field(
+            "learner_id",
+            "int",
+            "if present, must be the `learner_id` of this connection's WELCOME (`bad_request` otherwise)",
+            low=0,
+            high=INT64_MAX,
+        ),
+        Field(
+            "timestamp",
+            "int",
+            "the clock of the weights the gradient was computed on (the `timestamp` of the WEIGHTS it used): "
+            "the stamp j of [protocols.md](protocols.md#symbols); 0 ≤ `timestamp` ≤ the clock when the push "
+            "arrives (`bad_timestamp` otherwise)",
+            required=True,
+        ),
+        Field(
+            "step",
+            "int",
+            "the learner's own step counter; informative, the server does not read it",
+            default=0,
+        ),
+        Field(
+            "samples",
+            "int",
+            "the number of examples the gradient was computed over (S_l); see [below](#push-3-learner--server)",
+            default=0,
+            low=0,
+            high=MAX_SAMPLES,
+        ),
+        Field(
+            "loss",
+            "number",
+            'the mini-batch\'s training loss, for `stats()["loss_curve"]`; a NaN or infinity is not recorded',
+        ),
+        Field("pull", "bool", "answer with WEIGHTS instead of ACK", default=False),
+        SEQ,
+    ),
+    MsgType.PULL: (
+        Field(
+            "newer_than",
+            "int",
+            "answer once the clock is greater than this (−1: at once)",
+            default=-1,
+            low=-1,
+            high=INT64_MAX,
+        ),
+        SEQ,
+    ),
+    MsgType.BYE: (
+        Field("reason", "str", "why the learner leaves (informative)", default="", size=(0, MAX_NAME)),
+        SEQ,
+    ),
+}
+
+
+def _bad(field: Field, value: Any) -> RequestError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return RequestError(f"field {field.name!r} must be {field.describe_type()}, got {shown}", code="bad_request")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_value(field: Field, value: Any) -> Any:
+    kind = field.kind
+    if kind == "any":
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise _bad(field, value)
+        return value
+    if kind in ("int", "number"):
+        ok = _is_int(value) or (kind == "number" and isinstance(value, float))
+        if not ok:
+            raise _bad(field, value)
+        if (field.low is not None and value < field.low) or (field.high is not None and value > field.high):
+            raise _bad(field, value)
+        return value
+    if kind in ("str", "bytes"):
+        if not isinstance(value, str if kind == "str" else bytes):
+            raise _bad(field, value)
+        if field.size is not None and not field.size[0] <= len(value) <= field.size[1]:
+            raise _bad(field, value)
+        return value
+    if kind == "layout":
+        if not isinstance(value, list) or len(value) > MAX_TENSORS:
+            raise _bad(field, value)
+        for item in value:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                raise _bad(field, item)
+            if not (isinstance(item[1], list) and all(_is_int(d) for d in item[1])):
+                raise _bad(field, item)
+        return value
+    if kind == "groups":
+        if not (isinstance(value, list) and value):
+            raise _bad(field, value)
+        for item in value:
+            if not (isinstance(item, list) and len(item) == 3 and _is_int(item[0])):
+                raise _bad(field, item)
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in item[1:]):
+                raise _bad(field, item)
+        return value
+    if kind == "shard":
+        if not (isinstance(value, list) and len(value) == 2 and all(_is_int(v) for v in value)):
+            raise _bad(field, value)
+        if not 0 <= value[0] < value[1]:
+            raise _bad(field, value)
+        return value
+    raise AssertionError(f"unknown field kind {kind!r}")
+
+
+def check(msg_type: MsgType, meta: dict[str, Any]) -> dict[str, Any]:
+    """The declared fields of a ``msg_type`` request, checked, with defaults filled in for
+    absent optional ones (absent fields without a default stay absent); ``bad_request``
+    naming the first field that violates its declaration."""
+    out: dict[str, Any] = {}
+    for field in FIELDS.get(msg_type, ()):
+        if field.name not in meta:
+            if field.required:
+                raise RequestError(f"field {field.name!r} is required", code="bad_request")
+            if field.default is not None:
+                out[field.name] = field.default
+            continue
+        out[field.name] = _check_value(field, meta[field.name])
+    return out
+
+
+def markdown_table(msg_type: MsgType) -> str:
+    """The field table of ``docs/wire.md`` for ``msg_type``."""
+    rows = ["| field | type | presence | default | meaning |", "|-------|------|----------|---------|---------|"]
+    for f in FIELDS[msg_type]:
+        rows.append(
+            f"| `{f.name}` | {f.describe_type()} | {f.describe_presence()} | {f.describe_default()} | {f.meaning} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    for msg_type in FIELDS:
+        sys.stdout.write(f"### {msg_type.name} ({int(msg_type)})\n\n{markdown_table(msg_type)}\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Who may talk to a server: the shared secret and its challenge–response, TLS contexts,
+and which addresses other hosts can reach.
+
+The handshake (normative description in ``docs/wire.md``): the learner sends AUTH with a
+fresh 32-byte nonce N_c; the server answers CHALLENGE with its own fresh nonce N_s and
+``HMAC-SHA256(K, "rudra-async v1 server" ‖ N_c ‖ N_s)``; the learner checks it (so a
+server that does not know K is found out before the learner sends anything of value) and
+sends PROOF, ``HMAC-SHA256(K, "rudra-async v1 client" ‖ N_c ‖ N_s)``; the server checks it
+and answers AUTHENTICATED. Both comparisons are constant-time; fresh nonces on both sides
+make a recorded exchange worthless on any other connection (no replay), and the two labels
+keep one side's proof from ever serving as the other's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+import ssl
+import stat
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from .errors import ConfigError
+
+__all__ = [
+    "MIN_SECRET_BYTES",
+    "SECRET_ENV",
+    "client_proof",
+    "client_tls",
+    "is_loopback",
+    "load_secret",
+    "new_nonce",
+    "resolve_secret",
+    "server_proof",
+    "server_tls",
+    "verify",
+]
+
+SECRET_ENV = "RUDRA_ASYNC_SECRET"
+MIN_SECRET_BYTES = 16
+NONCE_BYTES = 32
+_SERVER_LABEL = b"rudra-async v1 server"
+_CLIENT_LABEL = b"rudra-async v1 client"
+
+
+def _checked(secret: bytes, source: str) -> bytes:
+    secret = secret.strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"the secret from {source} is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+            '(e.g. python -c "import secrets; print(secrets.token_hex(32))")'
+        )
+    return secret
+
+
+def load_secret(path: str | None = None, env: Mapping[str, str] | None = None) -> bytes | None:
+    """The shared secret: the contents of ``path`` (``--secret-file``; surrounding
+    whitespace stripped) if given, else the ``RUDRA_ASYNC_SECRET`` environment variable,
+    else None. A secret shorter than 16 bytes is refused. Never taken from a flag's value."""
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                mode = os.fstat(fh.fileno()).st_mode
+                data = fh.read(1 << 16)
+        except OSError as exc:
+            raise ConfigError(f"cannot read the secret file {path}: {exc.strerror or exc}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            import logging
+
+            logging.getLogger(__name__).warning("secret file %s can be read by other users (chmod 600 it)", path)
+        return _checked(data, path)
+    value = (os.environ if env is None else env).get(SECRET_ENV)
+    if value:
+        return _checked(value.encode(), SECRET_ENV)
+    return None
+
+
+def resolve_secret(secret: bytes | str | None, path: str | None = None) -> bytes | None:
+    """The secret an API call uses: ``secret`` when given (bytes or text), else
+    :func:`load_secret` of ``path`` and the environment."""
+    if secret is not None:
+        return _checked(secret.encode() if isinstance(secret, str) else bytes(secret), "the secret argument")
+    return load_secret(path)
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def server_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(secret, _SERVER_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def client_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(secret, _CLIENT_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def verify(expected: bytes, got: object) -> bool:
+    """Constant-time comparison of a proof (anything but bytes of the right length is false)."""
+    return isinstance(got, bytes) and hmac.compare_digest(expected, got)
+
+
+# -- TLS --------------------------------------------------------------------------------------
+def server_tls(cert: str, key: str | None = None, client_ca: str | None = None) -> ssl.SSLContext:
+    """A server context (TLS 1.2+): ``cert``/``key`` (PEM) identify the server; with
+    ``client_ca`` every learner must present a certificate signed by it."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    _load_chain(ctx, cert, key)
+    if client_ca:
+        _load_ca(ctx, client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_tls(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    """A learner's context: the server's certificate must be signed by ``ca`` and name the
+    host connected to; ``cert``/``key`` (PEM): a client certificate, for servers that ask."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    _load_ca(ctx, ca)
+    if cert:
+        _load_chain(ctx, cert, key)
+    elif key:
+        raise ConfigError("--tls-key needs --tls-cert")
+    return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, cert: str, key: str | None) -> None:
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the TLS certificate {cert} (key {key or cert}): {exc}") from None
+
+
+def _load_ca(ctx: ssl.SSLContext, ca: str) -> None:
+    try:
+        ctx.load_verify_locations(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the TLS CA file {ca}: {exc}") from None
+
+
+# -- addresses ------------------------------------------------------------------------------
+def is_loopback(url: str) -> bool:
+    """True when only this host can reach ``url``: a tcp (or ucx) address on a loopback
+    address or ``localhost``, or a same-host scheme (``shm``, ``memory``). UCX listens on
+    every interface whatever the host, so a ``ucx://`` address is never loopback."""
+    parts = urlsplit(url)
+    if parts.scheme in ("shm", "memory"):
+        return True
+    if parts.scheme != "tcp":
+        return False
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,203 @@
+"""Safe on a shared network: the secret on the command line and in the API, the refusal to
+expose a server without one, TLS with throw-away certificates, clear client errors."""
+
+import asyncio
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+from helpers import free_port, initial_weights, reap, run_cli, run_server, small_layout, start_cli, start_server
+
+from rudra_async import checkpoint, security
+from rudra_async.client import Client
+from rudra_async.config import ServerConfig
+from rudra_async.errors import ConfigError, ConnectError, RemoteError
+from rudra_async.server import ParameterServer
+
+LAYOUT = small_layout()
+SECRET = "correct horse battery staple"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A throw-away CA, a server/client certificate for 127.0.0.1 signed by it, an expired
+    one, and an unrelated CA (openssl on the PATH)."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    for ca in ("ca", "other-ca"):
+        openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}")
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("req", *ec, "-keyout", "host.key", "-out", "host.csr", "-subj", "/CN=host")
+    sign = [
+        "x509",
+        "-req",
+        "-in",
+        "host.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-extfile",
+        "ext",
+    ]
+    openssl(*sign, "-out", "host.pem", "-days", "2")
+    openssl(*sign, "-out", "expired.pem", "-days", "-1")
+    return {name: str(d / name) for name in ("ca.pem", "other-ca.pem", "host.pem", "host.key", "expired.pem")}
+
+
+def tls_server(pki, cert="host.pem", client_ca=None, **kw):
+    cfg = ServerConfig(listen=["tcp://127.0.0.1:0"], kernel="numpy", tls_cert=pki[cert], tls_key=pki["host.key"], **kw)
+    if client_ca:
+        cfg.tls_client_ca = pki[client_ca]
+    return ParameterServer(cfg)
+
+
+async def train_briefly(url, **kw):
+    client = await Client.connect(url, LAYOUT, initial_weights(LAYOUT), timeout=5, **kw)
+    w = await client.pull()
+    for _ in range(3):
+        w = await client.push_pull(np.ones(LAYOUT.size, np.float32), w.timestamp)
+    await client.close()
+    return w.timestamp
+
+
+async def test_tls_trains_and_every_misconfiguration_is_a_clear_error(pki):
+    async with tls_server(pki) as ps:
+        url = ps.addresses[0]
+        assert await train_briefly(url, tls=security.client_tls(pki["ca.pem"])) == 3
+        with pytest.raises(ConnectError, match="certificate verify failed"):
+            await train_briefly(url, tls=security.client_tls(pki["other-ca.pem"]))
+        with pytest.raises(ConnectError, match=r"closed the connection before its WELCOME.*TLS"):
+            await train_briefly(url)  # plain text against a TLS server
+    async with tls_server(pki, cert="expired.pem") as ps:
+        with pytest.raises(ConnectError, match="certificate has expired"):
+            await train_briefly(ps.addresses[0], tls=security.client_tls(pki["ca.pem"]))
+    async with run_server(kernel="numpy") as ps:  # TLS against a plain server
+        with pytest.raises(ConnectError, match="TLS"):
+            await train_briefly(ps.addresses[0], tls=security.client_tls(pki["ca.pem"]))
+
+
+async def test_tls_client_certificates_when_the_server_asks(pki):
+    async with tls_server(pki, client_ca="ca.pem") as ps:
+        url = ps.addresses[0]
+        with pytest.raises(ConnectError):
+            await train_briefly(url, tls=security.client_tls(pki["ca.pem"]))  # no client certificate
+        both = security.client_tls(pki["ca.pem"], pki["host.pem"], pki["host.key"])
+        assert await train_briefly(url, tls=both, secret=None) == 3
+
+
+async def test_the_secret_and_tls_together(pki):
+    cfg = ServerConfig(listen=["tcp://127.0.0.1:0"], kernel="numpy", tls_cert=pki["host.pem"], tls_key=pki["host.key"])
+    async with ParameterServer(cfg, secret=SECRET) as ps:
+        tls = security.client_tls(pki["ca.pem"])
+        with pytest.raises(RemoteError, match="requires authentication"):
+            await train_briefly(ps.addresses[0], tls=tls)
+        assert await train_briefly(ps.addresses[0], tls=tls, secret=SECRET) == 3
+
+
+async def test_a_learner_with_a_secret_refuses_a_server_that_cannot_prove_it():
+    async with run_server(kernel="numpy") as ps:
+        with pytest.raises(RemoteError, match="will not talk") as info:
+            await train_briefly(ps.addresses[0], secret=SECRET)
+        assert info.value.code == "auth_unavailable"
+    async with run_server(kernel="numpy", secret="another secret, 32 bytes long..") as ps:
+        with pytest.raises(ConnectError, match="does not know the secret"):
+            await train_briefly(ps.addresses[0], secret=SECRET)
+        assert ps.core.store is None  # nothing reached it
+
+
+def test_secrets_come_from_a_file_or_the_environment_never_a_short_one(tmp_path, monkeypatch):
+    f = tmp_path / "secret"
+    f.write_text(SECRET + "\n")
+    f.chmod(0o600)
+    assert security.load_secret(str(f)) == SECRET.encode()
+    monkeypatch.setenv(security.SECRET_ENV, "from the environment, long enough")
+    assert security.load_secret(None) == b"from the environment, long enough"
+    assert security.load_secret(str(f)) == SECRET.encode()  # the file wins
+    monkeypatch.setenv(security.SECRET_ENV, "short")
+    with pytest.raises(ConfigError, match="use at least 16"):
+        security.load_secret(None)
+    with pytest.raises(ConfigError, match="cannot read the secret file"):
+        security.load_secret(str(tmp_path / "missing"))
+
+
+def test_a_server_will_not_serve_other_hosts_without_a_secret(tmp_path):
+    for url in ("tcp://0.0.0.0:0", "tcp://[::]:0"):
+        proc = run_cli("server", "--listen", url, "--kernel", "numpy", timeout=60, env={"RUDRA_ASYNC_SECRET": ""})
+        assert proc.returncode == 2
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert lines[-1].startswith("error: refusing to listen on") and "--insecure" in lines[-1], proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert security.is_loopback("tcp://127.0.0.1:7000") and security.is_loopback("tcp://[::1]:1")
+    assert not security.is_loopback("ucx://127.0.0.1:1") and security.is_loopback("shm://x")
+    port = free_port()
+    server = start_cli("server", "--listen", f"tcp://0.0.0.0:{port}", "--insecure", "--kernel", "numpy")
+    try:
+        from helpers import wait_listening
+
+        wait_listening(port)
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+        assert server.returncode == 0 and "no secret (--insecure)" in err
+    finally:
+        reap(server)
+
+
+@pytest.mark.torch
+def test_learners_pass_the_secret_from_a_file_or_the_environment(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    port = free_port()
+    server = start_server(port, "--secret-file", str(secret), "--max-updates", "6", "--kernel", "numpy")
+    try:
+        url = f"tcp://127.0.0.1:{port}"
+        denied = run_cli("learner", "--connect", url, "--timeout", "5", env={"RUDRA_ASYNC_SECRET": ""})
+        assert denied.returncode == 2 and "requires authentication" in denied.stderr
+        assert "Traceback" not in denied.stderr
+        ok = run_cli("learner", "--connect", url, "--json", env={"RUDRA_ASYNC_SECRET": SECRET})
+        assert ok.returncode == 0, ok.stderr
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+        assert server.returncode == 0
+        assert '"auth_required": 1' in err
+    finally:
+        reap(server)
+
+
+async def test_a_hello_that_is_never_answered_is_a_clear_error():
+    done = asyncio.Event()
+
+    async def silent(reader, writer):
+        await reader.read()  # accepts, reads, never answers
+        writer.close()
+        done.set()
+
+    srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    with pytest.raises(ConnectError, match=r"sent no WELCOME within 0\.3 s"):
+        await Client.connect(f"tcp://127.0.0.1:{port}", LAYOUT, initial_weights(LAYOUT), timeout=0.3)
+    await asyncio.wait_for(done.wait(), 5)
+    srv.close()
+    await srv.wait_closed()
+
+
+async def test_a_resumed_server_says_so_in_its_welcome(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    async with run_server(kernel="numpy", checkpoint=path) as ps:
+        await train_briefly(ps.addresses[0])
+    assert checkpoint.load(path).clock == 3
+    async with run_server(kernel="numpy", resume=path) as ps:
+        client = await Client.connect(ps.addresses[0], LAYOUT, timeout=5)
+        assert client.resumed_from == 3 and client.clock == 3
+        await client.close()
+    async with run_server(kernel="numpy") as ps:
+        client = await Client.connect(ps.addresses[0], LAYOUT, initial_weights(LAYOUT), timeout=5)
+        assert client.resumed_from is None
+        await client.close()
