@@ -186,3 +186,32 @@ def test_gradients_a_protocol_still_holds_when_the_run_stops_are_answered_droppe
     assert core.stopped and core.clock == 2
     assert held.outcome == "dropped"
     assert core.rejected["stopped"] == 1 and not core.protocol.held
+
+
+def test_each_learner_has_its_last_request_time_mean_staleness_and_slow_flag():
+    now = [100.0]
+    core = ServerCore(ServerConfig(kernel="numpy"), now=lambda: now[0])
+    a, b = hello(core), hello(core, initial=None)
+    assert a.last_seen == b.last_seen == 100.0 and a.staleness_mean == 0.0
+    stamp = core.clock
+    now[0] = 101.0
+    push(core, a, np.zeros(LAYOUT.size, np.float32))  # σ = 0
+    push(core, a, np.zeros(LAYOUT.size, np.float32))  # σ = 0
+    now[0] = 102.5
+    push(core, b, np.zeros(LAYOUT.size, np.float32), timestamp=stamp)  # σ = 2
+    assert (a.last_seen, b.last_seen) == (101.0, 102.5)
+    assert (a.staleness_sum, b.staleness_sum) == (0, 2) and b.staleness_mean == 2.0
+    now[0] = 110.0
+    stats = core.stats()["learners"]
+    assert stats["0"]["last_seen_s"] == 9.0 and stats["1"]["staleness_mean"] == 2.0
+    assert stats["0"]["peer"] == "test" and not stats["0"]["slow"]
+    # slow: silent for longer than the limit, unless a request of its own waits on the server
+    assert core.newly_slow(7.0, waiting={0}) == [b] and b.slow
+    assert core.newly_slow(7.0, waiting=()) == [a]  # b is reported once
+    assert core.newly_slow(7.0, waiting=()) == []
+    core.pulled(b, core.clock)
+    assert not b.slow and b.last_seen == 110.0
+    core.leave(a, clean=False)
+    now[0] = 200.0
+    assert core.newly_slow(7.0, waiting=()) == [b]  # a left: never slow
+    assert "loss_curve" in core.stats() and "loss_curve" not in core.stats(loss_curve=False)

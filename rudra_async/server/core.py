@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from ..config import ServerConfig
 from ..errors import CheckpointError, ConfigError, RequestError, RudraError
 from ..kernels import SGD
 from ..layout import Layout, Shard
+from ..logs import rate_limited
 from ..lr import LRPolicy, Schedule
 from ..sync import Decision, Gradient, SyncProtocol
 from ..transports.base import SharedMemory
@@ -35,14 +36,15 @@ from ..wire import Frame
 from .stats import StalenessHistogram
 from .store import WeightStore
 
-log = logging.getLogger(__name__)
+log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 
 MAX_LOSSES = 1_000_000  # reported training losses kept for the loss curve
 
 
 @dataclass
 class LearnerInfo:
-    """One registered learner (a HELLO on one connection)."""
+    """One registered learner (a HELLO on one connection). ``last_seen`` is the core's clock
+    (``now()``) at its last request; ``staleness_sum`` the σ of its applied gradients, summed."""
 
     learner_id: int
     name: str
@@ -50,6 +52,13 @@ class LearnerInfo:
     applied: int = 0
     dropped: int = 0
     connected: bool = True
+    last_seen: float = 0.0
+    staleness_sum: int = 0
+    slow: bool = False  # set by the shell's watch while it has not been seen for too long
+
+    @property
+    def staleness_mean(self) -> float:
+        return self.staleness_sum / self.applied if self.applied else 0.0
 
 
 @dataclass(eq=False)
@@ -74,6 +83,11 @@ class PendingGradient:
         self.frame.release()
 
 
+def learner_extra(info: LearnerInfo) -> dict[str, Any]:
+    """Fields a machine-readable log line carries about a learner (``logging``'s ``extra``)."""
+    return {"learner": info.learner_id, "learner_name": info.name, "peer": info.peer}
+
+
 def int_field(meta: dict[str, Any], key: str, default: int | None = None) -> int:
     """An integer metadata field (not a bool), or ``bad_request`` naming it."""
     value = meta.get(key, default)
@@ -82,7 +96,7 @@ def int_field(meta: dict[str, Any], key: str, default: int | None = None) -> int
     return value
 
 
-def loss_curve(losses: list[tuple[int, float]], points: int = 50) -> list[list[float]]:
+def make_loss_curve(losses: list[tuple[int, float]], points: int = 50) -> list[list[float]]:
     """The reported training losses averaged into ``points`` buckets: [[update, loss], ...]."""
     if not losses:
         return []
@@ -183,8 +197,11 @@ class ServerCore:
             "pid": os.getpid(),
         }
 
-    def stats(self) -> dict[str, Any]:
-        """Statistics for reports and embedding apps (plain JSON-able values)."""
+    def stats(self, loss_curve: bool = True) -> dict[str, Any]:
+        """Statistics for reports and embedding apps (plain JSON-able values). Per learner,
+        ``last_seen_s`` is the time since its last request. ``loss_curve=False`` leaves out
+        the loss curve, the one entry whose cost grows with the run (for frequent readers)."""
+        now = self._now()
         return {
             **self.protocol.describe(),
             "lr_policy": self.config.lr_policy,
@@ -199,14 +216,18 @@ class ServerCore:
             "learners": {
                 str(i): {
                     "name": info.name,
+                    "peer": info.peer,
                     "gradients": info.applied,
                     "dropped": info.dropped,
                     "connected": info.connected,
+                    "staleness_mean": info.staleness_mean,
+                    "last_seen_s": now - info.last_seen,
+                    "slow": info.slow,
                 }
                 for i, info in self.learners.items()
             },
             "rejected": dict(self.rejected),
-            "loss_curve": loss_curve(self.losses),
+            **({"loss_curve": make_loss_curve(self.losses)} if loss_curve else {}),
         }
 
     # -- events -------------------------------------------------------------------------------
@@ -235,25 +256,56 @@ class ServerCore:
             self._initialize(layout, arrays, peer)
         elif self.layout is None or layout.to_wire() != self.layout.to_wire():
             raise RequestError("the learner's parameter layout differs from the server's", code="layout_mismatch")
-        info = LearnerInfo(self._next_id, str(meta.get("name", "")), peer)
+        info = LearnerInfo(self._next_id, str(meta.get("name", "")), peer, last_seen=self._now())
         self._next_id += 1
         self.learners[info.learner_id] = info
         self._decide(self.protocol.join(info.learner_id))
         self._on_change()
-        log.info("learner %d (%s) joined from %s", info.learner_id, info.name, peer)
+        log.info("learner %d (%s) joined from %s", info.learner_id, info.name, peer, extra=learner_extra(info))
         return info
 
-    def leave(self, learner: LearnerInfo) -> None:
-        """The learner's connection ended (bye, crash or close)."""
+    def leave(self, learner: LearnerInfo, clean: bool = True) -> None:
+        """The learner's connection ended: with a bye (``clean``), or lost (crash, close)."""
         learner.connected = False
         self._decide(self.protocol.leave(learner.learner_id))
         self._on_change()
-        log.info("learner %d (%s) left", learner.learner_id, learner.name)
+        if clean:
+            log.info("learner %d (%s) left", learner.learner_id, learner.name, extra=learner_extra(learner))
+        else:
+            log.warning(
+                "learner %d (%s) is gone: its connection ended without a bye (%d gradients applied)",
+                learner.learner_id,
+                learner.name,
+                learner.applied,
+                extra=learner_extra(learner),
+            )
+
+    def seen(self, learner: LearnerInfo) -> None:
+        """A request from ``learner`` arrived (its ``last_seen``; a slow learner is back)."""
+        learner.last_seen = self._now()
+        if learner.slow:
+            learner.slow = False
+            log.info("learner %d (%s) is back", learner.learner_id, learner.name, extra=learner_extra(learner))
+
+    def newly_slow(self, after: float, waiting: Container[int]) -> list[LearnerInfo]:
+        """Connected learners not seen for ``after`` seconds that no request of theirs is
+        ``waiting`` for (so the server does not hold them back), and not reported yet;
+        they are marked ``slow`` until seen again."""
+        now = self._now()
+        found = [
+            info
+            for info in self.learners.values()
+            if info.connected and not info.slow and now - info.last_seen > after and info.learner_id not in waiting
+        ]
+        for info in found:
+            info.slow = True
+        return found
 
     def push(self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame) -> PendingGradient:
         """Validate a PUSH and hand its gradient to the protocol. The core keeps the frame
         until the gradient is applied or dropped (then releases it)."""
         store = self._need_store()
+        self.seen(learner)
         if meta.get("learner_id", learner.learner_id) != learner.learner_id:
             raise RequestError(f"learner id {meta.get('learner_id')!r} is not this connection's", code="bad_request")
         stamp = int_field(meta, "timestamp")
@@ -286,6 +338,7 @@ class ServerCore:
 
     def pulled(self, learner: LearnerInfo, clock: int) -> None:
         """The learner received the weights of ``clock`` and computes on them."""
+        self.seen(learner)
         self._decide(self.protocol.pulled(learner.learner_id, clock))
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -418,5 +471,7 @@ class ServerCore:
         self.last_update_at = now
         for p, s in zip(pendings, sigmas):
             self.staleness.add(s)
-            self.learners[p.learner_id].applied += 1
+            info = self.learners[p.learner_id]
+            info.applied += 1
+            info.staleness_sum += s
             p.settle("applied", s)

@@ -14,23 +14,30 @@ stable code; it never changes the weights and never affects other connections.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import checkpoint, transports
 from ..config import ServerConfig
 from ..errors import ConfigError, FrameTooLarge, PeerGone, RudraError
+from ..logs import rate_limited
 from ..transports.base import Connection, Listener, SharedMemory
 from ..wire import Limits
 from .checkpointer import Checkpointer
-from .core import ServerCore
+from .core import ServerCore, learner_extra
 from .session import Session
+from .stats import Traffic
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from ..monitor import Monitor
+
+log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 
 
 def shared_memory_of(listen: list[str]) -> SharedMemory | None:
@@ -65,8 +72,12 @@ class ParameterServer:
         self._initialized: asyncio.Event | None = None
         self._changed = asyncio.Event()
         self._blocked: set[int] = set()
+        self._waiting: Counter[int] = Counter()  # requests of each learner waiting on the protocol
         self._store_closed = False
         self._shutdown: asyncio.Future[None] | None = None
+        self.traffic = Traffic()
+        self.monitor: Monitor | None = None  # serving --metrics, once started
+        self._watch: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -77,10 +88,17 @@ class ParameterServer:
             self._initialized.set()
         try:
             for url in self.config.listen:
-                self._listeners.append(await transports.listen(url, self._handle, limits=self.limits))
+                handle = functools.partial(self._handle, url.partition(":")[0])
+                self._listeners.append(await transports.listen(url, handle, limits=self.limits))
+            if self.config.metrics:
+                from ..monitor import Monitor
+
+                self.monitor = Monitor(self)
+                await self.monitor.serve(self.config.metrics)
         except BaseException:
             await self.close()
             raise
+        self._watch = asyncio.ensure_future(self._watch_learners())
         log.info("parameter server listening on %s (%s)", ", ".join(self.addresses), self.core.protocol.describe())
 
     async def serve(self) -> None:
@@ -111,6 +129,10 @@ class ParameterServer:
         await asyncio.shield(self._shutdown)
 
     async def _shut_down(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.monitor is not None:
+            await self.monitor.close()
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
@@ -162,9 +184,14 @@ class ParameterServer:
         """A copy of the current weights, by tensor name."""
         return self.core.weights()
 
-    def stats(self) -> dict[str, Any]:
-        """Statistics for reports and embedding apps (plain JSON-able values)."""
-        return {**self.core.stats(), "checkpoint": dict(self.checkpointer.stats)}
+    def stats(self, loss_curve: bool = True) -> dict[str, Any]:
+        """Statistics for reports and embedding apps (plain JSON-able values); see
+        :meth:`ServerCore.stats <rudra_async.server.core.ServerCore.stats>`."""
+        return {
+            **self.core.stats(loss_curve),
+            "checkpoint": dict(self.checkpointer.stats),
+            "traffic": self.traffic.totals(),
+        }
 
     # -- checkpoints --------------------------------------------------------------------------
     async def checkpoint(self, path: str | None = None) -> int:
@@ -200,6 +227,7 @@ class ParameterServer:
         if ready() or self.stopped or self.closing:
             return
         lost = asyncio.ensure_future(conn.wait_lost())
+        self._waiting[learner] += 1
         try:
             while not (ready() or self.stopped or self.closing):
                 self._blocked.add(learner)
@@ -210,7 +238,25 @@ class ParameterServer:
                     raise PeerGone("connection lost while waiting")
         finally:
             self._blocked.discard(learner)
+            self._waiting[learner] -= 1
+            if not self._waiting[learner]:
+                del self._waiting[learner]
             lost.cancel()
+
+    async def _watch_learners(self) -> None:
+        """Warn once about each connected learner silent for ``slow_after`` seconds while no
+        request of its waits on the server (it is slow, stuck, or gone without a word)."""
+        after = self.config.slow_after
+        while True:
+            await asyncio.sleep(min(after / 4, 5.0))
+            for info in self.core.newly_slow(after, self._waiting):
+                log.warning(
+                    "learner %d (%s) is slow: nothing from it for %.0f s",
+                    info.learner_id,
+                    info.name,
+                    after,
+                    extra=learner_extra(info),
+                )
 
     # -- connections --------------------------------------------------------------------------
     def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> None:
@@ -224,6 +270,7 @@ class ParameterServer:
             raise FrameTooLarge(f"body of {nbytes} bytes is far larger than the model ({store.layout.nbytes} bytes)")
         return None  # the reader's reusable pool takes it
 
-    async def _handle(self, conn: Connection) -> None:
+    async def _handle(self, scheme: str, conn: Connection) -> None:
         conn.allocator = self._allocate
-        await Session(self, conn).run()
+        with self.traffic.track(scheme, conn):
+            await Session(self, conn).run()

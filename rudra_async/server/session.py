@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import RequestError, RudraError, WireError
+from ..logs import rate_limited
 from ..transports.base import Connection
 from ..wire import Frame, MsgType
 from .core import LearnerInfo, int_field
@@ -28,7 +29,7 @@ from .core import LearnerInfo, int_field
 if TYPE_CHECKING:
     from .parameter_server import ParameterServer
 
-log = logging.getLogger(__name__)
+log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 
 
 class State(enum.Enum):
@@ -46,6 +47,7 @@ class Session:
         self.conn = conn
         self.state = State.AWAITING_HELLO
         self.learner: LearnerInfo | None = None
+        self.said_bye = False
         self._handlers: dict[State, dict[int, Callable[[Frame], Awaitable[None]]]] = {
             State.AWAITING_HELLO: {MsgType.HELLO: self._hello, MsgType.BYE: self._bye},
             State.READY: {MsgType.PUSH: self._push, MsgType.PULL: self._pull, MsgType.BYE: self._bye},
@@ -68,7 +70,7 @@ class Session:
         finally:
             self.state = State.CLOSED
             if self.learner is not None:
-                self.core.leave(self.learner)
+                self.core.leave(self.learner, clean=self.said_bye)
 
     async def _dispatch(self, frame: Frame) -> None:
         if frame.error is not None:
@@ -90,6 +92,7 @@ class Session:
         await self._reply(MsgType.WELCOME, self.core.welcome(self.learner), frame.meta)
 
     async def _bye(self, frame: Frame) -> None:
+        self.said_bye = True
         await self._reply(MsgType.BYE, {}, frame.meta)
         self.state = State.CLOSED
 
@@ -140,7 +143,7 @@ class Session:
         """Count, log and answer a refused request; a fatal refusal ends the session."""
         self.core.reject(code)
         who = f"learner {self.learner.learner_id}" if self.learner else "unregistered peer"
-        log.warning("rejected input from %s (%s): [%s] %s", self.conn.peer, who, code, message)
+        log.warning("rejected input from %s (%s): [%s] %s", self.conn.peer, who, code, message, extra={"code": code})
         meta: dict[str, Any] = {"code": code, "message": message, "fatal": fatal}
         if seq is not None:
             meta["seq"] = seq
