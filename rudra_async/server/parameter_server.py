@@ -251,7 +251,7 @@ class ParameterServer:
             await asyncio.sleep(min(after / 4, 5.0))
             for info in self.core.newly_slow(after, self._waiting):
                 log.warning(
-                    "learner %d (%s) is slow: nothing from it for %.0f s",
+                    "learner %d (%s) is slow: nothing from it for %g s",
                     info.learner_id,
                     info.name,
                     after,
