@@ -22,6 +22,7 @@ from ..errors import ConfigError, RemoteError, TransportError
 from ..layout import Layout
 from . import data as datasets
 from . import models
+from .tensorboard import open_log, updates_between
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +125,16 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     rng = np.random.default_rng([opts.seed, cfg.index])
     batches = datasets.minibatches(len(y_train), opts.batch_size, rng)
-    started = time.monotonic()
+    started = tick = time.monotonic()
     steps, loss_value, reconnects = 0, float("nan"), 0
+    tensorboard = open_log(opts.tensorboard, cfg.name or f"learner-{cfg.index}")
     with SyncClient(cfg.connect, flat.layout, flat.weights.numpy(), name=cfg.name, timeout=cfg.timeout) as client:
         client.set_weights_buffer(flat.weights.numpy())
         w = client.pull()
         while not w.stop and (opts.steps is None or steps < opts.steps):
             idx = torch.from_numpy(next(batches))
             loss_value = flat.gradient(x_train[idx], y_train[idx])
+            stamp = w.timestamp
             try:
                 w = client.push_pull(flat.grads.numpy(), w.timestamp, steps, len(idx), loss_value)
             except RemoteError as exc:
@@ -153,7 +156,11 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                     )
                 continue
             steps += 1
+            tick, step_s = time.monotonic(), time.monotonic() - tick
+            staleness = updates_between(stamp, w.timestamp)
+            tensorboard.record(steps, loss=loss_value, staleness=staleness, samples_per_s=len(idx) / step_s)
         learner_id = client.learner_id
+    tensorboard.close()
     accuracy, _ = evaluate(model, data.x_test, data.y_test)
     return {
         "learner_id": learner_id,
