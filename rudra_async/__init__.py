@@ -2,7 +2,7 @@
 
 The public surface is listed in ``docs/api.md``: this package's names below, and the
 modules ``wire``, ``errors``, ``layout``, ``sync``, ``lr``, ``transports``, ``kernels``,
-``client``, ``config``, ``checkpoint`` and ``testing``. Everything else is internal.
+``client``, ``config``, ``checkpoint``, ``testing`` and ``monitor``. Everything else is internal.
 Importing ``rudra_async`` loads only the error classes; the rest loads on first use.
 """
 
