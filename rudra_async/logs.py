@@ -61,6 +61,10 @@ class RateLimit(logging.Filter):
         self.burst, self.window, self.clock = burst, window, clock
         self._kinds: dict[tuple[str, int, str], list[float]] = {}  # key -> [window start, passed, suppressed]
 
+    def reset(self) -> None:
+        """Forget every kind seen (a fresh budget for each)."""
+        self._kinds.clear()
+
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno <= logging.DEBUG:
             return True
