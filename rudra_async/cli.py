@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -30,6 +31,7 @@ def main(log_level: str, log_format: str) -> None:
     from .logs import configure
 
     configure(log_level, log_format)
+    os.environ["RUDRA_ASYNC_LOG_FORMAT"] = log_format  # learner processes a run starts log alike
 
 
 def _report(result: dict[str, Any], as_json: bool, line: str) -> None:

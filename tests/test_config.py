@@ -159,3 +159,11 @@ def test_a_config_files_errors_name_the_file_and_the_key(tmp_path, command, text
     assert result.exit_code == 2 and message in result.output, result.output
     if "unknown" in message or "must be int" in message:
         assert f"config file {path}" in result.output
+
+
+def test_each_shard_of_a_group_serves_its_metrics_on_its_own_port():
+    cfg = ServerConfig(metrics="127.0.0.1:9100")
+    ports = [cfg.for_shard(Shard(i, 3), "tcp://127.0.0.1:0").metrics for i in range(3)]
+    assert ports == ["127.0.0.1:9100", "127.0.0.1:9101", "127.0.0.1:9102"]
+    assert ServerConfig(metrics="0").for_shard(Shard(1, 2), "tcp://127.0.0.1:0").metrics == "0"  # any free port
+    assert ServerConfig().for_shard(Shard(1, 2), "tcp://127.0.0.1:0").metrics is None
