@@ -43,7 +43,7 @@ def test_the_rate_limit_lets_a_burst_through_then_counts_what_it_suppressed():
 
 async def test_a_flood_of_bad_requests_leaves_a_few_log_lines(caplog):
     layout = small_layout()
-    caplog.set_level(logging.INFO, logger="rudra_async")
+    caplog.set_level(logging.INFO, logger="rudra_async.server")
     async with run_server(kernel="numpy") as ps:
         client = await Client.connect(ps.addresses[0], layout, initial_weights(layout))
         bad = np.zeros(layout.size + 1, np.float32)
@@ -60,7 +60,7 @@ async def test_a_flood_of_bad_requests_leaves_a_few_log_lines(caplog):
 
 async def test_learners_joining_vanishing_and_going_silent_are_logged(caplog):
     layout = small_layout()
-    caplog.set_level(logging.INFO, logger="rudra_async")
+    caplog.set_level(logging.INFO, logger="rudra_async.server")  # `train` and `study` quiet it in-process
     async with run_server(kernel="numpy", slow_after=0.3) as ps:
         quiet = await Client.connect(ps.addresses[0], layout, initial_weights(layout), name="quiet")
         crash = await Client.connect(ps.addresses[0], layout, name="crash")

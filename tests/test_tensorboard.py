@@ -40,6 +40,6 @@ def test_train_with_tensorboard_writes_one_run_per_learner(tmp_path):
     assert proc.returncode == 0, proc.stderr
     runs = sorted(p.name for p in tmp_path.iterdir())
     assert runs == ["learner-0", "learner-1"]
-    steps = [len(scalars(tmp_path / run)["train/loss"]) for run in runs]
-    assert sum(steps) >= 30  # every pushed gradient's step (the last ones may be refused: stopped)
-    assert all(v >= 0 for _, v in scalars(tmp_path / "learner-0")["train/staleness"])
+    found = [scalars(tmp_path / run) for run in runs]  # a learner started late may have had no step
+    assert sum(len(f.get("train/loss", [])) for f in found) >= 30  # a step per gradient the server took
+    assert all(v >= 0 for f in found for _, v in f.get("train/staleness", []))
