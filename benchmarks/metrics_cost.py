@@ -1,17 +1,22 @@
 """What watching a server costs: updates/s with --metrics on vs off, in one run.
 
 Two server processes run side by side, one with ``--metrics`` and one without. Rounds
-alternate between them (off, on, off, on, ...): in each, LEARNERS asynchronous numpy
-learners (in this process) push gradients of SIZE parameters as fast as the server
-answers for SECONDS, while the server with metrics is scraped once a second at
-``/metrics`` (a Prometheus at a 1 s interval, 15 to 60 s is usual) and at
+come in pairs, one on each server, in alternating order (off-on, on-off, ...): in each,
+LEARNERS asynchronous numpy learners (in this process) push gradients of SIZE parameters
+as fast as the server answers for SECONDS, while the server with metrics is scraped once a
+second at ``/metrics`` (a Prometheus at a 1 s interval; 15 to 60 s is usual) and at
 ``/status.json`` (the status page open in a browser). The sampler of the monitored server
-runs throughout.
+runs throughout. The ratio is the median of the pairs' ratios, so that load from outside
+that changes slowly cancels out.
 
-    python benchmarks/metrics_cost.py [--size 100000] [--learners 4] [--seconds 3] [--rounds 5]
+Then, in this process, the time one scrape of both takes on the server's event loop (the
+cost the rounds measure, without the noise): a server with LEARNERS learners that pushed
+gradients, ``monitor.metrics()`` and ``json.dumps(monitor.status())`` timed together.
 
-Prints the median updates/s of each and the ratio on/off (the target is >= 0.97), and one
-JSON line with the numbers.
+    python benchmarks/metrics_cost.py [--size 100000] [--learners 4] [--seconds 2] [--rounds 15]
+
+Prints the median updates/s of each, the ratio on/off (the target is >= 0.97), the time
+of one scrape, and one JSON line with the numbers.
 """
 
 from __future__ import annotations
@@ -108,32 +113,58 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
         await one_round(on_url, metrics_port, argparse.Namespace(**{**vars(args), "seconds": 1.0}), layout)
         off, on = [], []
         for r in range(args.rounds):
-            off.append(await one_round(off_url, None, args, layout))
-            on.append(await one_round(on_url, metrics_port, args, layout))
-            print(f"round {r + 1}: off {off[-1]:8.0f} updates/s   on {on[-1]:8.0f} updates/s", flush=True)
+            if r % 2:
+                on.append(await one_round(on_url, metrics_port, args, layout))
+                off.append(await one_round(off_url, None, args, layout))
+            else:
+                off.append(await one_round(off_url, None, args, layout))
+                on.append(await one_round(on_url, metrics_port, args, layout))
+            print(f"pair {r + 1}: off {off[-1]:8.0f} updates/s   on {on[-1]:8.0f} updates/s", flush=True)
     finally:
         for proc in servers:
             proc.terminate()
             proc.wait(10)
-    result = {
+    return {
         "size": args.size,
         "learners": args.learners,
         "off_updates_per_s": statistics.median(off),
         "on_updates_per_s": statistics.median(on),
+        "ratio": statistics.median(b / a for a, b in zip(off, on)),
+        "scrape_ms": await scrape_cost(args, layout),
     }
-    result["ratio"] = result["on_updates_per_s"] / result["off_updates_per_s"]
-    return result
+
+
+async def scrape_cost(args: argparse.Namespace, layout: Layout) -> float:
+    """Median milliseconds of one /metrics and one /status.json answer, on the loop."""
+    from rudra_async.config import ServerConfig
+    from rudra_async.monitor import Monitor
+    from rudra_async.server import ParameterServer
+
+    config = ServerConfig(listen=["tcp://127.0.0.1:0"], kernel="numpy")
+    async with ParameterServer(config, initial={"w": np.zeros(args.size, np.float32)}) as ps, Monitor(ps) as monitor:
+        until = time.monotonic() + 2.0
+        initial = np.zeros(layout.size, np.float32)
+        await asyncio.gather(*(learner(ps.addresses[0], layout, initial, until, i) for i in range(args.learners)))
+        times = []
+        for _ in range(50):
+            started = time.perf_counter()
+            monitor.metrics()
+            json.dumps(monitor.status())
+            times.append(time.perf_counter() - started)
+        return 1000 * statistics.median(times)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=int, default=100_000, help="parameters (float32)")
     parser.add_argument("--learners", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=3.0, help="length of each round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=2.0, help="length of each round")
+    parser.add_argument("--rounds", type=int, default=15, help="pairs of rounds")
     out = run(main(parser.parse_args()))
     print(
         f"metrics off {out['off_updates_per_s']:.0f} updates/s, on {out['on_updates_per_s']:.0f} updates/s "
-        f"(median of the rounds): ratio on/off {out['ratio']:.3f} (target >= 0.97)"
+        f"(medians); ratio on/off {out['ratio']:.3f} (median of the pairs; target >= 0.97)\n"
+        f"one scrape of /metrics and /status.json: {out['scrape_ms']:.2f} ms of the server's loop "
+        f"({out['scrape_ms'] / 10:.2f} % of its time at one scrape a second)"
     )
     print(json.dumps(out))
