@@ -2,8 +2,8 @@
 
 The public surface is listed in ``docs/api.md``: this package's names below, and the
 modules ``wire``, ``errors``, ``layout``, ``sync``, ``lr``, ``transports``, ``kernels``,
-``client``, ``config``, ``checkpoint``, ``testing`` and ``torch`` (the PyTorch API).
-Everything else is internal.
+``client``, ``config``, ``checkpoint``, ``testing``, ``monitor`` and ``torch`` (the PyTorch
+API). Everything else is internal.
 Importing ``rudra_async`` loads only the error classes; the rest loads on first use.
 """
 

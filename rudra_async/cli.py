@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from . import __version__
-from .config import LaunchConfig, LearnerConfig, ServerConfig, TrainConfig
+from .config import LaunchConfig, LearnerConfig, LogOptions, ServerConfig, TrainConfig
 from .errors import RudraError
 from .eventloop import run as run_loop
-from .options import click_options, from_flat
+from .options import click_options, from_flat, read_file, to_flat
 
 
 def _fail(exc: BaseException) -> None:
@@ -23,12 +25,13 @@ def _fail(exc: BaseException) -> None:
 
 @click.group(context_settings={"auto_envvar_prefix": "RUDRA_ASYNC", "help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="rudra-async")
-@click.option(
-    "--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"])
-)
-def main(log_level: str) -> None:
+@click_options(LogOptions)
+def main(log_level: str, log_format: str) -> None:
     """rudra-async: an asyncio parameter server for distributed deep learning."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from .logs import configure
+
+    configure(log_level, log_format)
+    os.environ["RUDRA_ASYNC_LOG_FORMAT"] = log_format  # learner processes a run starts log alike
 
 
 def _accuracy(result: dict[str, Any]) -> str:
@@ -42,32 +45,62 @@ def _report(result: dict[str, Any], as_json: bool, line: str) -> None:
     click.echo(json.dumps(result) if as_json else line)
 
 
+def config_file_options(func: Any) -> Any:
+    """``--config FILE.toml`` and ``--show-config`` for a command whose settings are a configuration class."""
+    func = click.option(
+        "--show-config", is_flag=True, help="Print the settings this command would run with (one JSON line) and exit."
+    )(func)
+    return click.option(
+        "--config",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Read settings from this TOML file (keys: the setting names, e.g. lr = 0.1); "
+        "flags and RUDRA_ASYNC_* variables take precedence over it.",
+    )(func)
+
+
 def _config(cls: type, kwargs: dict[str, Any], exclude: tuple[str, ...] = ()) -> Any:
-    """A configuration from a command's flags (the same fields the flags were derived from)."""
-    return from_flat(cls, kwargs, exclude=exclude, where="command line")
+    """A configuration from a command's flags, its RUDRA_ASYNC_* variables, its --config file
+    and the defaults, in that order of precedence (all readers of the same fields). With
+    --show-config, print it and exit."""
+    kwargs = dict(kwargs)
+    path, show = kwargs.pop("config", None), kwargs.pop("show_config", False)
+    ctx = click.get_current_context()
+    given = {k: v for k, v in kwargs.items() if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT)}
+    from_file = read_file(cls, path, exclude=exclude) if path else {}
+    cfg = from_flat(cls, {**kwargs, **from_file, **given}, exclude=exclude, where="command line")
+    if show:
+        if hasattr(cfg, "validate"):
+            cfg.validate()
+        flat = {k: v for k, v in to_flat(cfg).items() if k in kwargs}
+        click.echo(json.dumps(flat, default=str))
+        sys.exit(0)
+    return cfg
 
 
 @main.command()
 @click_options(ServerConfig)
+@config_file_options
 def server(**kwargs: Any) -> None:
     """Run a parameter server until interrupted. Weights come from the first learner's hello."""
     from .server import ParameterServer
 
-    async def serve() -> None:
-        async with ParameterServer(_config(ServerConfig, kwargs)) as ps:
+    async def serve(cfg: ServerConfig) -> None:
+        async with ParameterServer(cfg) as ps:
             ps.close_on_signals()
             click.echo(f"listening on {' '.join(ps.addresses)}", err=True)
             await ps.serve()
         click.echo(json.dumps(ps.stats()), err=True)  # after close: includes the final checkpoint
 
     try:
-        run_loop(serve())
+        run_loop(serve(_config(ServerConfig, kwargs)))
     except RudraError as exc:
         _fail(exc)
 
 
 @main.command()
 @click_options(LearnerConfig)
+@config_file_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON line.")
 def learner(as_json: bool, **kwargs: Any) -> None:
     """Run one PyTorch learner against a server."""
@@ -87,6 +120,7 @@ def learner(as_json: bool, **kwargs: Any) -> None:
 
 @main.command()
 @click_options(TrainConfig, exclude=TrainConfig.SET_BY_RUN)
+@config_file_options
 @click.option(
     "--results", type=click.Path(dir_okay=False, writable=True), default=None, help="Write results JSON here."
 )
@@ -117,6 +151,7 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
 
 @main.command()
 @click_options(LaunchConfig, exclude=LaunchConfig.SET_BY_RUN)
+@config_file_options
 def launch(**kwargs: Any) -> None:
     """Run one task of a job started by a cluster engine (srun, mpirun, torchrun, Kubernetes):
     by its rank, a shard server or a learner. Prints its result as one JSON line."""
@@ -162,3 +197,24 @@ def study(spec: str, output: str | None, no_report: bool) -> None:
     except RudraError as exc:
         _fail(exc)
     click.echo(str(out / "report.md") if not no_report else str(out / "results.jsonl"))
+
+
+@main.command()
+@click.argument("address")
+@click.option("--json", "as_json", is_flag=True, help="Print one snapshot as JSON and exit.")
+@click.option(
+    "--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds between redraws."
+)
+@click.option("--count", type=click.IntRange(min=1), default=None, help="Redraw this many times, then exit.")
+def status(address: str, as_json: bool, interval: float, count: int | None) -> None:
+    """Watch a running server: a live table of its clock, updates/s, learners and staleness.
+    ADDRESS is its --metrics address (HOST:PORT, PORT, or the URL an application serves it under)."""
+    from .monitor.view import fetch, status_url, watch
+
+    try:
+        if as_json:
+            click.echo(json.dumps(fetch(status_url(address))))
+        else:
+            watch(address, interval, count)
+    except RudraError as exc:
+        _fail(exc)

@@ -158,6 +158,16 @@ class ServerConfig:
         metavar="I/N",
         help="Hold the I-th of N parts of the parameters (learners connect to all N, in order).",
     )
+    metrics: str | None = setting(
+        None,
+        "Serve Prometheus metrics (/metrics), a status page (/) and status JSON (/status.json) over HTTP "
+        "at HOST:PORT (a bare PORT: on 127.0.0.1; port 0: any free one); off by default. "
+        "Shard I of a group serves at PORT + I.",
+        metavar="ADDRESS",
+    )
+    slow_after: float = setting(
+        60.0, "Warn when a connected learner sends nothing for this many seconds (not waiting on the server).", above=0
+    )
 
     def validate(self) -> ServerConfig:
         check_ranges(self)
@@ -165,6 +175,8 @@ class ServerConfig:
             raise ConfigError("the server needs at least one address to listen on")
         if self.nesterov and not self.momentum:
             raise ConfigError("nesterov needs momentum > 0")
+        if self.metrics is not None:
+            parse_http_address(self.metrics)
         if self.checkpoint_every is not None and not self.checkpoint:
             raise ConfigError("--checkpoint-every needs --checkpoint")
         if (self.tls_key or self.tls_client_ca) and not self.tls_cert:
@@ -182,7 +194,10 @@ class ServerConfig:
     def for_shard(self, shard: Shard, listen: str) -> ServerConfig:
         """This configuration for one server of a shard group, listening at ``listen``; a
         ``{shard}`` in the checkpoint path becomes its index (:func:`~rudra_async.checkpoint.shard_path`)."""
-        return replace(self, listen=[listen], shard=shard, checkpoint=shard_path(self.checkpoint, shard))
+        metrics = metrics_for_shard(self.metrics, shard) if self.metrics else None
+        return replace(
+            self, listen=[listen], shard=shard, checkpoint=shard_path(self.checkpoint, shard), metrics=metrics
+        )
 
     def check_shards(self, count: int) -> None:
         """Settings a group of ``count`` shard servers cannot share (before any is started)."""
@@ -212,6 +227,34 @@ class ServerConfig:
             raise ConfigError(f"backup needs b < λ; got b = {self.backup} with {learners} learners")
 
 
+def parse_http_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPv6]:PORT``, ``http://HOST:PORT`` or a bare ``PORT`` (on 127.0.0.1)."""
+    rest = text.removeprefix("http://").rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", rest
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--metrics needs HOST:PORT or PORT, got {text!r}")
+    return host, int(port)
+
+
+def metrics_for_shard(address: str, shard: Shard) -> str:
+    """Shard I of a group serves its metrics at the given port + I (port 0 stays 0: any)."""
+    host, sep, port = address.rpartition(":")
+    if shard.count == 1 or not port.isdigit() or int(port) == 0:
+        return address
+    return f"{host}{sep}{int(port) + shard.index}"
+
+
+@dataclass
+class LogOptions:
+    """How the command line logs (options of ``rudra-async`` itself, before the command)."""
+
+    log_level: str = setting("INFO", "Least severe messages logged.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_format: str = setting("text", "text lines, or one JSON object per line.", choices=("text", "json"))
+
+
 @dataclass
 class LearnerOptions:
     """The training recipe that every learner of a run shares."""
@@ -239,6 +282,12 @@ class LearnerOptions:
         0.0,
         "If the server is lost, keep trying to reach it (e.g. restarted with --resume) for this many seconds.",
         low=0,
+    )
+    tensorboard: str | None = setting(
+        None,
+        "Write loss, staleness and throughput scalars for TensorBoard under DIR/<learner name> "
+        "(needs the tensorboard extra).",
+        metavar="DIR",
     )
 
     def validate(self) -> LearnerOptions:

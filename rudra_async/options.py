@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import json
 import math
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -192,7 +193,44 @@ def from_flat(
     fields = flat_fields(cls, exclude)
     check_known(values, fields, where)
     given = {k: v for k, v in values.items() if v is not None or _unwrap_optional(fields[k][2])[1]}
+    for name, (_, f, _tp) in fields.items():
+        if f.default is _MISSING and f.default_factory is _MISSING and name not in given and name not in fixed:
+            raise ConfigError(f"missing setting {name!r} ({_flag(name, f)})")
     return _build(cls, {**{k: coerce(k, fields[k][2], v, fields[k][1]) for k, v in given.items()}, **fixed})
+
+
+def load_toml(path: str, what: str) -> dict[str, Any]:
+    """The TOML file at ``path`` (a ``what``, for messages), or a ConfigError saying why not."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover (Python 3.10)
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as fh:
+            values: dict[str, Any] = tomllib.load(fh)
+            return values
+    except FileNotFoundError:
+        raise ConfigError(f"no {what} at {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def read_file(cls: type, path: str, *, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """The settings in the TOML file ``path`` for ``cls``: top-level keys named like the
+    settings (the fields of ``cls`` and its sections, flat, as :func:`from_flat` takes
+    them; only those that are flags). Unknown keys and values of the wrong type are refused
+    with a ConfigError naming the file, the key and, for an unknown key, the nearest valid one."""
+    values = load_toml(path, "config file")
+    fields = {k: v for k, v in flat_fields(cls, exclude).items() if v[1].metadata.get("cli", True)}
+    check_known(values, fields, f"config file {path}")
+    for key, value in values.items():
+        try:
+            coerce(key, fields[key][2], value, fields[key][1])
+        except ConfigError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+    return values
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:
@@ -265,7 +303,7 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
         if not meta.get("cli", True):
             continue
         inner, _ = _unwrap_optional(tp)
-        flag = meta.get("flag") or "--" + name.replace("_", "-")
+        flag = _flag(name, f)
         names = [flag, *([meta["short"]] if meta.get("short") else [])]
         default = f.default if f.default is not _MISSING else None
         kwargs: dict[str, Any] = {"help": meta.get("help") or None, "show_default": default not in (None, (), [], {})}
@@ -302,9 +340,7 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
             click_type: Any = {int: int, float: float, str: str}.get(inner, str)
             if meta.get("choices"):
                 click_type = click.Choice(meta["choices"])
-            kwargs.update(type=click_type, default=default)
-            if f.default is _MISSING and f.default_factory is _MISSING:
-                kwargs["required"] = True
+            kwargs.update(type=click_type, default=default)  # a required one: from_flat says it is missing
         if meta.get("metavar"):
             kwargs["metavar"] = meta["metavar"]
         decorators.append(click.option(*names, name, **kwargs))
@@ -324,3 +360,8 @@ def _click_parse(parse: Callable[[Any], Any], value: Any) -> Any:
         return parse(value)
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def _flag(name: str, f: dataclasses.Field[Any]) -> str:
+    """The command-line flag of setting ``name``."""
+    return str(f.metadata.get("flag") or "--" + name.replace("_", "-"))

@@ -2,7 +2,16 @@ import importlib.util
 
 import pytest
 
+from rudra_async.logs import DEFAULT_LIMIT
+
 HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_rate_limit():
+    """Each test starts with the full budget of the server loggers' rate limit, so what one
+    test logged does not suppress what the next one checks."""
+    DEFAULT_LIMIT.reset()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,6 +13,7 @@ import numpy as np
 
 from rudra_async.client import connect
 from rudra_async.config import ServerConfig
+from rudra_async.errors import RemoteError
 from rudra_async.layout import Layout
 from rudra_async.server import ParameterServer
 from rudra_async.wire import Frame, FrameReader
@@ -210,3 +211,41 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+async def http_get(url: str, method: str = "GET", timeout: float = 10.0) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of one plain HTTP request, on the running event loop."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(f"{method} {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode())
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+async def numpy_learner(url, layout, initial, steps=None, delay=0.0, name=None, seed=0):
+    """A numpy learner pushing small random gradients (with pauses of up to ``delay`` s) until
+    ``steps`` or the server's stop; returns its connected client (the caller closes it)."""
+    client = await connect(url, layout, initial, name=name)
+    rng = np.random.default_rng(seed)
+    w = await client.pull()
+    step = 0
+    while not w.stop and (steps is None or step < steps):
+        grad = (0.01 * rng.standard_normal(layout.size)).astype(np.float32)
+        try:
+            w = await client.push_pull(grad, w.timestamp, step, samples=8)
+        except RemoteError as exc:
+            if exc.code == "stopped":  # the run ended while this gradient was computed
+                break
+            raise
+        step += 1
+        if delay:
+            await asyncio.sleep(delay * rng.random())
+    return client

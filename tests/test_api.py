@@ -30,6 +30,7 @@ def test_the_doc_lists_every_public_module():
         "rudra_async.testing",
         "rudra_async.torch",
         "rudra_async.server",
+        "rudra_async.monitor",
     ]
 
 
@@ -54,7 +55,13 @@ def test_import_rudra_async_is_light():
 
 @pytest.mark.parametrize(
     "statement",
-    ["import rudra_async.server", "import rudra_async.client", "import rudra_async.config", "import rudra_async.cli"],
+    [
+        "import rudra_async.server",
+        "import rudra_async.client",
+        "import rudra_async.config",
+        "import rudra_async.cli",
+        "import rudra_async.monitor",
+    ],
 )
 def test_the_server_the_client_and_the_command_line_do_not_import_torch(statement):
     assert "torch" not in imported_by(statement)

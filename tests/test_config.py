@@ -2,6 +2,7 @@
 the configuration dataclasses."""
 
 import dataclasses
+import json
 
 import click
 import pytest
@@ -41,7 +42,8 @@ def test_every_setting_is_a_flag_with_the_fields_default_and_help(command):
 
 
 def test_study_keys_are_the_settings_of_train():
-    assert set(TrainConfig.settings()) == set(params("train")) - {"results", "quiet"}  # those two only print
+    not_settings = {"results", "quiet", "config", "show_config"}  # what to print, and where settings come from
+    assert set(TrainConfig.settings()) == set(params("train")) - not_settings
     with pytest.raises(ConfigError, match="unknown setting 'host'"):  # set by the run itself, not a flag
         expand({"runs": [{"host": "0.0.0.0"}]})
     assert set(POINT_KEYS) == {"mode", "group", "jitter", "heterogeneity"}
@@ -81,3 +83,75 @@ def test_values_are_type_checked_and_unknown_keys_name_the_nearest():
 def test_every_numeric_setting_is_checked_for_finiteness_and_range(setting, message):
     with pytest.raises(ConfigError, match=message):
         ServerConfig(**setting).validate()
+
+
+def show_config(*args: str, env: dict | None = None) -> dict:
+    result = CliRunner().invoke(main, [*args, "--show-config"], env=env or {})
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_a_config_file_ranks_below_environment_variables_and_flags(tmp_path):
+    path = tmp_path / "server.toml"
+    path.write_text('lr = 0.5\nmomentum = 0.5\nprotocol = "softsync"\nn = 2\nlisten = ["tcp://127.0.0.1:0"]\n')
+    cfg = show_config("server", "--config", str(path))
+    assert (cfg["lr"], cfg["momentum"], cfg["protocol"], cfg["n"]) == (0.5, 0.5, "softsync", 2)
+    assert cfg["listen"] == ["tcp://127.0.0.1:0"] and cfg["weight_decay"] == 0.0  # file, then the defaults
+    cfg = show_config("server", "--config", str(path), env={"RUDRA_ASYNC_SERVER_LR": "0.2"})
+    assert (cfg["lr"], cfg["momentum"]) == (0.2, 0.5)  # environment over file
+    cfg = show_config(
+        "server", "--config", str(path), "--lr", "0.1", "--momentum", "0.9", env={"RUDRA_ASYNC_SERVER_LR": "0.2"}
+    )
+    assert (cfg["lr"], cfg["momentum"]) == (0.1, 0.9)  # flags over both, even one equal to the default
+    cfg = show_config("server", env={"RUDRA_ASYNC_SERVER_CONFIG": str(path)})  # the file named by a variable
+    assert cfg["lr"] == 0.5
+
+
+def test_config_files_for_train_learner_and_launch_use_the_flat_setting_names(tmp_path):
+    path = tmp_path / "train.toml"
+    path.write_text('learners = 2\nprotocol = "hardsync"\nlr = 0.1\nbatch_size = 8\nmodel = "linear"\ntimeout = 60\n')
+    cfg = show_config("train", "--config", str(path), "--lr", "0.2")
+    assert (cfg["learners"], cfg["protocol"], cfg["lr"], cfg["batch_size"], cfg["model"], cfg["timeout"]) == (
+        2,
+        "hardsync",
+        0.2,
+        8,
+        "linear",
+        60.0,
+    )
+    path.write_text('connect = "tcp://127.0.0.1:7000"\nbatch_size = 16\nreconnect = 5\n')
+    cfg = show_config("learner", "--config", str(path))
+    assert (cfg["connect"], cfg["batch_size"], cfg["reconnect"]) == ("tcp://127.0.0.1:7000", 16, 5.0)
+    path.write_text('rendezvous = "/tmp/rdv"\nservers = 2\nmax_updates = 100\nmetrics = "9100"\n')
+    cfg = show_config("launch", "--config", str(path))
+    assert (cfg["rendezvous"], cfg["servers"], cfg["max_updates"], cfg["metrics"]) == ("/tmp/rdv", 2, 100, "9100")
+    result = CliRunner().invoke(main, ["learner", "--show-config"])
+    assert result.exit_code == 2 and "missing setting 'connect' (--connect)" in result.output
+
+
+@pytest.mark.parametrize(
+    "command, text, message",
+    [
+        ("server", "momentun = 0.5", "unknown setting 'momentun' (did you mean 'momentum'?)"),
+        ("train", "learner = 4", "unknown setting 'learner' (did you mean 'learners'?)"),
+        ("train", 'listen = ["tcp://127.0.0.1:1"]', "unknown setting 'listen'"),  # set by the run itself
+        ("learner", "steps = 'many'", "steps must be int, got 'many'"),
+        ("server", "lr = ", "Invalid value"),
+        ("server", "lr = 0", "--lr must be > 0, got 0"),
+    ],
+)
+def test_a_config_files_errors_name_the_file_and_the_key(tmp_path, command, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text + "\n")
+    result = CliRunner().invoke(main, [command, "--config", str(path), "--show-config"])
+    assert result.exit_code == 2 and message in result.output, result.output
+    if "unknown" in message or "must be int" in message:
+        assert f"config file {path}" in result.output
+
+
+def test_each_shard_of_a_group_serves_its_metrics_on_its_own_port():
+    cfg = ServerConfig(metrics="127.0.0.1:9100")
+    ports = [cfg.for_shard(Shard(i, 3), "tcp://127.0.0.1:0").metrics for i in range(3)]
+    assert ports == ["127.0.0.1:9100", "127.0.0.1:9101", "127.0.0.1:9102"]
+    assert ServerConfig(metrics="0").for_shard(Shard(1, 2), "tcp://127.0.0.1:0").metrics == "0"  # any free port
+    assert ServerConfig().for_shard(Shard(1, 2), "tcp://127.0.0.1:0").metrics is None

@@ -314,3 +314,38 @@ def test_the_learner_table_keeps_a_bounded_history():
     stats = core.stats()
     assert len(core.learners) == 3 and stats["learners_forgotten"] == 3
     assert stats["gradients"] == 1 and "0" not in stats["learners"]
+
+
+def test_each_learner_has_its_last_request_time_mean_staleness_and_slow_flag():
+    now = [100.0]
+    core = ServerCore(ServerConfig(kernel="numpy"), now=lambda: now[0])
+    a, b = hello(core), hello(core, initial=None)
+    assert a.last_active == b.last_active == 100.0 and a.staleness_mean == 0.0
+    stamp = core.clock
+    now[0] = 101.0
+    push(core, a, np.zeros(LAYOUT.size, np.float32))  # σ = 0
+    push(core, a, np.zeros(LAYOUT.size, np.float32))  # σ = 0
+    core.active(a)
+    core.idle(a)
+    now[0] = 102.5
+    core.active(b)
+    push(core, b, np.zeros(LAYOUT.size, np.float32), timestamp=stamp)  # σ = 2
+    assert (a.last_active, b.last_active) == (101.0, 102.5)
+    assert (a.staleness_sum, b.staleness_sum) == (0, 2) and b.staleness_mean == 2.0
+    now[0] = 110.0
+    stats = core.stats()["learners"]
+    assert stats["0"]["last_seen_s"] == 9.0 and stats["1"]["staleness_mean"] == 2.0
+    assert stats["0"]["peer"] == "test" and not stats["0"]["slow"]
+    # slow: idle for longer than the limit, unless a request of its own is in the server
+    assert core.newly_slow(7.0) == [a] and a.slow  # b's request is still in the server
+    core.idle(b)
+    now[0] = 120.0
+    assert core.newly_slow(7.0) == [b]  # a is reported once
+    assert core.newly_slow(7.0) == []
+    core.active(b)
+    assert not b.slow and b.last_active == 120.0
+    core.idle(b)
+    core.leave(a, clean=False)
+    now[0] = 200.0
+    assert core.newly_slow(7.0) == [b]  # a left: never slow
+    assert "loss_curve" in core.stats() and "loss_curve" not in core.stats(loss_curve=False)

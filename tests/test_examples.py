@@ -1,6 +1,8 @@
 """The examples the README points to really run."""
 
+import asyncio
 import difflib
+import importlib.util
 import json
 import re
 import signal
@@ -8,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import CLI_ARGS, free_port, last_json, reap, start_server, subprocess_env, write_cifar_batch
 
@@ -81,3 +84,21 @@ def run_cli_script(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=300
     )
+
+
+async def test_aiohttp_application_embeds_the_server_and_serves_its_metrics_and_page():
+    import prometheus_client.parser as prometheus  # the test extra installs it, and aiohttp
+
+    spec = importlib.util.spec_from_file_location("embed_aiohttp", ROOT / "examples" / "embed_aiohttp.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    policy, loop = asyncio.get_event_loop_policy(), asyncio.get_running_loop()
+    out = await example.demo()  # on this test's running loop (uvloop), the application's own
+    assert asyncio.get_event_loop_policy() is policy and asyncio.get_running_loop() is loop
+    metrics = {s.name: s.value for f in prometheus.text_string_to_metric_families(out["metrics"]) for s in f.samples}
+    assert metrics["rudra_clock"] == 600 and metrics["rudra_gradients_applied_total"] == 600
+    assert metrics["rudra_learners"] == 0  # the three learners said bye
+    assert "<svg" in out["page"] and "status.json" in out["page"]
+    assert out["status"]["clock"] == 600 and len(out["status"]["learners"]) == 3
+    w = np.array(out["weights"]["w"])
+    assert out["weights"]["clock"] == 600 and np.abs(w - np.arange(8) / 8).max() < 1e-2  # it learned

@@ -19,6 +19,7 @@ from ..errors import LearnerError
 from .api import DistributedOptimizer
 from .evaluation import evaluate
 from .parts import load_parts, scalar_loss
+from .tensorboard import open_log, updates_between
 
 
 def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
@@ -32,8 +33,9 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
         if parts.batches_per_pass is None:
             raise LearnerError(f"data {opts.data!r} has no length, so passes cannot be counted: give --steps")
         limit = math.ceil(cfg.passes * parts.batches_per_pass)
-    started = time.monotonic()
+    started = tick = time.monotonic()
     last_loss = float("nan")
+    tensorboard = open_log(opts.tensorboard, cfg.name or f"learner-{cfg.index}")
     with DistributedOptimizer(
         model,
         cfg.connect,
@@ -51,8 +53,17 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
             loss = scalar_loss(parts.loss(model(x), y), opts.loss)
             loss.backward()
             last_loss = loss.item()
+            stamp = opt.timestamp
             opt.step(loss=last_loss, samples=len(x))
+            tick, step_s = time.monotonic(), time.monotonic() - tick
+            tensorboard.record(
+                opt.steps,
+                loss=last_loss,
+                staleness=updates_between(stamp, opt.timestamp),
+                samples_per_s=len(x) / step_s,
+            )
         learner_id = opt.learner_id
+    tensorboard.close()
     summary = {
         "learner_id": learner_id,
         "steps": opt.pushes,

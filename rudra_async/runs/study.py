@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,26 +35,11 @@ from typing import Any
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..eventloop import run as run_loop
-from ..options import check_known, from_flat
+from ..options import check_known, from_flat, load_toml
 
 #: what a point may set besides a run's settings (TrainConfig.settings(), i.e. train's flags)
 SIM_KEYS = ("jitter", "heterogeneity")
 POINT_KEYS = ("mode", "group", *SIM_KEYS)
-
-
-def _load_toml(path: Path) -> dict[str, Any]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    try:
-        with open(path, "rb") as fh:
-            spec: dict[str, Any] = tomllib.load(fh)
-            return spec
-    except FileNotFoundError:
-        raise ConfigError(f"no study spec at {path}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
 
 
 def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -115,7 +99,7 @@ def run_study(
     spec_path: str, output: str | None = None, progress: Callable[[str], None] = print, report: bool = True
 ) -> Path:
     """Run every unfinished point of the spec, append results, write the report. Returns the output dir."""
-    spec = _load_toml(Path(spec_path))
+    spec = load_toml(spec_path, "study spec")
     points = expand(spec)
     out = Path(output or spec.get("study", {}).get("output", "study-output"))
     out.mkdir(parents=True, exist_ok=True)

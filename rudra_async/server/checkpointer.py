@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,7 +38,8 @@ class Checkpointer:
         if path:
             check_writable(path)
         self.path, self.every, self._write = path, every if path else None, write
-        self.stats: dict[str, Any] = {"path": path, "written": 0, "failed": 0, "clock": None}
+        #: ``written_at``: when the newest checkpoint file was written (Unix time), for its age
+        self.stats: dict[str, Any] = {"path": path, "written": 0, "failed": 0, "clock": None, "written_at": None}
         self._newest: tuple[str, int] | None = None  # (path, clock) of the newest file known
         self._task: asyncio.Future[None] | None = None
         self._due = False
@@ -47,6 +49,7 @@ class Checkpointer:
     def on_disk(self, path: str, clock: int, written: bool = True) -> None:
         """Record a checkpoint of ``clock`` at ``path`` (just written, or resumed from)."""
         self._newest = (path, clock)
+        self.stats["written_at"] = time.time() if written else os.path.getmtime(path)
         if self.every:
             self._last_period = max(self._last_period, clock // self.every)
         if written:

@@ -30,6 +30,7 @@ from ..config import ServerConfig
 from ..errors import CheckpointError, ConfigError, RequestError, RudraError
 from ..kernels import SGD
 from ..layout import Layout, Shard
+from ..logs import rate_limited
 from ..lr import LRPolicy, Schedule
 from ..sync import Async, Decision, Gradient, SyncProtocol
 from ..transports.base import SharedMemory
@@ -38,7 +39,7 @@ from .groups import ParamGroup, default_groups, parse_groups, steps_for
 from .stats import StalenessHistogram
 from .store import WeightStore
 
-log = logging.getLogger(__name__)
+log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 
 MAX_LOSSES = 1_000_000  # reported training losses kept for the loss curve
 MAX_RUN_SAMPLES = 2**63 - 1  # P saturates here (a checkpoint stores it as a msgpack int)
@@ -49,7 +50,9 @@ SAFE_MAGNITUDE = 1e37
 
 @dataclass
 class LearnerInfo:
-    """One registered learner (a HELLO on one connection)."""
+    """One registered learner (a HELLO on one connection). ``last_active`` is the core's
+    clock (``now()``) when a request of it last arrived or was answered; ``staleness_sum``
+    the σ of its applied gradients, summed."""
 
     learner_id: int
     name: str
@@ -61,6 +64,12 @@ class LearnerInfo:
     last_active: float = 0.0  # when a request of it last arrived or was answered
     evicted: bool = False  # out of the protocol (hung: --learner-timeout) until it shows up again
     evictions: int = 0
+    staleness_sum: int = 0
+    slow: bool = False  # idle for too long (see ServerCore.newly_slow) until its next request
+
+    @property
+    def staleness_mean(self) -> float:
+        return self.staleness_sum / self.applied if self.applied else 0.0
 
 
 @dataclass(eq=False)
@@ -99,7 +108,12 @@ def max_abs(a: np.ndarray) -> float:
     return max(abs(float(a.max())), abs(float(a.min())))
 
 
-def loss_curve(losses: list[tuple[int, float]], points: int = 50) -> list[list[float]]:
+def learner_extra(info: LearnerInfo) -> dict[str, Any]:
+    """Fields a machine-readable log line carries about a learner (``logging``'s ``extra``)."""
+    return {"learner": info.learner_id, "learner_name": info.name, "peer": info.peer}
+
+
+def make_loss_curve(losses: list[tuple[int, float]], points: int = 50) -> list[list[float]]:
     """The reported training losses averaged into ``points`` buckets: [[update, loss], ...]."""
     if not losses:
         return []
@@ -214,8 +228,12 @@ class ServerCore:
             "nesterov": cfg.nesterov,
         }
 
-    def stats(self) -> dict[str, Any]:
-        """Statistics for reports and embedding apps (plain JSON-able values)."""
+    def stats(self, loss_curve: bool = True) -> dict[str, Any]:
+        """Statistics for reports and embedding apps (plain JSON-able values). Per learner,
+        ``last_seen_s`` is the time since a request of it last arrived or was answered.
+        ``loss_curve=False`` leaves out the loss curve, the one entry whose cost grows with
+        the run (for frequent readers)."""
+        now = self._now()
         return {
             **self.protocol.describe(),
             "lr_policy": self.config.lr_policy,
@@ -232,15 +250,19 @@ class ServerCore:
             "learners": {
                 str(i): {
                     "name": info.name,
+                    "peer": info.peer,
                     "gradients": info.applied,
                     "dropped": info.dropped,
                     "connected": info.connected,
                     "evictions": info.evictions,
+                    "staleness_mean": info.staleness_mean,
+                    "last_seen_s": now - info.last_active,
+                    "slow": info.slow,
                 }
                 for i, info in self.learners.items()
             },
             "rejected": dict(self.rejected),
-            "loss_curve": loss_curve(self.losses),
+            **({"loss_curve": make_loss_curve(self.losses)} if loss_curve else {}),
         }
 
     # -- events -------------------------------------------------------------------------------
@@ -282,28 +304,44 @@ class ServerCore:
         self.learners[info.learner_id] = info
         self._decide(self.protocol.join(info.learner_id))
         self._on_change()
-        log.info("learner %d (%s) joined from %s", info.learner_id, info.name, peer)
+        log.info("learner %d (%s) joined from %s", info.learner_id, info.name, peer, extra=learner_extra(info))
         return info
 
-    def leave(self, learner: LearnerInfo) -> None:
-        """The learner's connection ended (bye, crash or close). Beyond ``learner_history``
-        departed learners, the oldest is dropped from the table (its counts stay in the totals)."""
+    def leave(self, learner: LearnerInfo, clean: bool = True) -> None:
+        """The learner's connection ended: with a bye (``clean``), or lost (crash, close).
+        Beyond ``learner_history`` departed learners, the oldest is dropped from the table
+        (its counts stay in the totals)."""
         learner.connected = False
         self._decide(self.protocol.leave(learner.learner_id))
         self._on_change()
-        log.info("learner %d (%s) left", learner.learner_id, learner.name)
+        if clean:
+            log.info("learner %d (%s) left", learner.learner_id, learner.name, extra=learner_extra(learner))
+        else:
+            log.warning(
+                "learner %d (%s) is gone: its connection ended without a bye (%d gradients applied)",
+                learner.learner_id,
+                learner.name,
+                learner.applied,
+                extra=learner_extra(learner),
+            )
         self._departed.append(learner.learner_id)
         while len(self._departed) > self.config.learner_history:
             old = self.learners.pop(self._departed.popleft())
             self.forgotten.update(learners=1, applied=old.applied, dropped=old.dropped, evictions=old.evictions)
 
     def active(self, learner: LearnerInfo) -> None:
-        """A request of ``learner`` arrived; an evicted learner rejoins the protocol."""
+        """A request of ``learner`` arrived: a slow learner is back; an evicted one rejoins
+        the protocol."""
         learner.busy += 1
         learner.last_active = self._now()
+        if learner.slow:
+            learner.slow = False
+            log.info("learner %d (%s) is back", learner.learner_id, learner.name, extra=learner_extra(learner))
         if learner.evicted and learner.connected:
             learner.evicted = False
-            log.warning("learner %d (%s) is back and rejoins", learner.learner_id, learner.name)
+            log.warning(
+                "learner %d (%s) is back and rejoins", learner.learner_id, learner.name, extra=learner_extra(learner)
+            )
             self._decide(self.protocol.join(learner.learner_id))
             self._on_change()
 
@@ -337,11 +375,26 @@ class ServerCore:
                 info.name,
                 now - info.last_active,
                 timeout,
+                extra=learner_extra(info),
             )
             self._decide(self.protocol.leave(info.learner_id))
         if hung:
             self._on_change()
         return hung
+
+    def newly_slow(self, after: float) -> list[LearnerInfo]:
+        """Connected learners idle for ``after`` seconds (no request of theirs in the server,
+        so the server does not hold them back), not reported yet; they are marked ``slow``
+        until their next request."""
+        now = self._now()
+        found = [
+            info
+            for info in self.learners.values()
+            if info.connected and not info.slow and not info.busy and now - info.last_active > after
+        ]
+        for info in found:
+            info.slow = True
+        return found
 
     def push(self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame) -> PendingGradient:
         """Validate a PUSH and hand its gradient to the protocol. The core keeps the frame
@@ -573,8 +626,10 @@ class ServerCore:
         self.last_update_at = now
         for p, s in zip(pendings, sigmas):
             self.staleness.add(s)
-            if p.learner_id in self.learners:
-                self.learners[p.learner_id].applied += 1
+            info = self.learners.get(p.learner_id)  # None: forgotten (beyond learner_history)
+            if info is not None:
+                info.applied += 1
+                info.staleness_sum += s
             p.settle("applied", s)
 
     def _bounds(self, pendings: list[PendingGradient], scales: list[float], sgd: SGD) -> tuple[float, float]:

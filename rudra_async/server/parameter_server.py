@@ -14,26 +14,31 @@ stable code; it never changes the weights and never affects other connections.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import checkpoint, security, transports
 from ..config import ServerConfig
 from ..errors import ConfigError, PeerGone, RudraError
+from ..logs import rate_limited
 from ..transports.base import Connection, Listener, SharedMemory
 from ..wire import Limits
 from .checkpointer import Checkpointer
-from .core import ServerCore
+from .core import ServerCore, learner_extra
 from .session import Session
-from .stats import RateLimitedLog
+from .stats import Traffic
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from ..monitor import Monitor
+
+log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 #: file descriptors kept free for everything but connections (checkpoints, logs, the loop)
 FD_RESERVE = 64
 
@@ -88,8 +93,9 @@ class ParameterServer:
         self._shutdown: asyncio.Future[None] | None = None
         self._sessions: dict[Connection, Session] = {}  # in order of arrival
         self._unregistered: dict[Session, None] = {}  # sessions before hello, oldest first
-        self._log = RateLimitedLog(log)
         self._watchdog: asyncio.Task[None] | None = None
+        self.traffic = Traffic()
+        self.monitor: Monitor | None = None  # serving --metrics, once started
 
     def _check_exposure(self) -> None:
         """Refuse to serve other hosts without a secret (unless ``insecure``); warn about
@@ -120,6 +126,11 @@ class ParameterServer:
         try:
             for url in self.config.listen:
                 self._listeners.append(await self._listen(url))
+            if self.config.metrics:
+                from ..monitor import Monitor
+
+                self.monitor = Monitor(self)
+                await self.monitor.serve(self.config.metrics)
         except BaseException:
             await self.close()
             raise
@@ -156,6 +167,8 @@ class ParameterServer:
     async def _shut_down(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self.monitor is not None:
+            await self.monitor.close()
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
@@ -207,9 +220,14 @@ class ParameterServer:
         """A copy of the current weights, by tensor name."""
         return self.core.weights()
 
-    def stats(self) -> dict[str, Any]:
-        """Statistics for reports and embedding apps (plain JSON-able values)."""
-        return {**self.core.stats(), "checkpoint": dict(self.checkpointer.stats)}
+    def stats(self, loss_curve: bool = True) -> dict[str, Any]:
+        """Statistics for reports and embedding apps (plain JSON-able values); see
+        :meth:`ServerCore.stats <rudra_async.server.core.ServerCore.stats>`."""
+        return {
+            **self.core.stats(loss_curve),
+            "checkpoint": dict(self.checkpointer.stats),
+            "traffic": self.traffic.totals(),
+        }
 
     # -- checkpoints --------------------------------------------------------------------------
     async def checkpoint(self, path: str | None = None) -> int:
@@ -259,16 +277,17 @@ class ParameterServer:
 
     # -- connections --------------------------------------------------------------------------
     async def _listen(self, url: str) -> Listener:
+        handle = functools.partial(self._handle, url.partition(":")[0])
         if self.tls is not None and url.startswith("tcp://"):
             return await transports.listen(
                 url,
-                self._handle,
+                handle,
                 limits=self.limits,
                 on_accept=self._accept,
                 tls=self.tls,
                 tls_timeout=self.config.handshake_timeout,
             )
-        return await transports.listen(url, self._handle, limits=self.limits, on_accept=self._accept)
+        return await transports.listen(url, handle, limits=self.limits, on_accept=self._accept)
 
     def _fit_connection_limit(self) -> None:
         """Raise the open-file limit as far as allowed, and keep ``max_connections`` below it,
@@ -298,7 +317,7 @@ class ParameterServer:
     def refused(self, code: str, message: str) -> None:
         """Count a refusal under ``code`` and log it (at most a few lines a second)."""
         self.core.reject(code)
-        self._log.warning("refused [%s] %s", code, message)
+        log.warning("refused [%s] %s", code, message, extra={"code": code})
 
     def _accept(self, conn: Connection) -> None:
         """A new connection, before any of its bytes is parsed: its limits (the session's
@@ -330,19 +349,22 @@ class ParameterServer:
         self._unregistered.pop(session, None)
         self._sessions.pop(session.conn, None)
 
-    async def _handle(self, conn: Connection) -> None:
+    async def _handle(self, scheme: str, conn: Connection) -> None:
         session = self._sessions.get(conn)
         if session is None:  # refused on arrival
             return
         try:
-            await session.run()
+            with self.traffic.track(scheme, conn):
+                await session.run()
         finally:
             self._forget(session)
 
     async def _watch(self) -> None:
-        """Enforce the deadlines: close connections past theirs, evict hung learners."""
+        """Enforce the deadlines: close connections past theirs, evict hung learners; warn
+        once about each learner idle for ``slow_after`` seconds (slow, stuck, or gone without
+        a word)."""
         cfg = self.config
-        timeouts = [t for t in (cfg.handshake_timeout, cfg.idle_timeout, cfg.learner_timeout) if t]
+        timeouts = [t for t in (cfg.handshake_timeout, cfg.idle_timeout, cfg.learner_timeout, cfg.slow_after) if t]
         tick = min(1.0, max(0.02, min(timeouts) / 8))
         while True:
             await asyncio.sleep(tick)
@@ -352,3 +374,11 @@ class ParameterServer:
                     session.expire()
             if cfg.learner_timeout:
                 self.core.evict_hung(now, cfg.learner_timeout)
+            for info in self.core.newly_slow(cfg.slow_after):
+                log.warning(
+                    "learner %d (%s) is slow: nothing from it for %g s",
+                    info.learner_id,
+                    info.name,
+                    cfg.slow_after,
+                    extra=learner_extra(info),
+                )

@@ -17,7 +17,6 @@ connection's limits, which depend on its state and are in force from the first b
 from __future__ import annotations
 
 import enum
-import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,8 +31,6 @@ from .core import LearnerInfo
 
 if TYPE_CHECKING:
     from .parameter_server import ParameterServer
-
-log = logging.getLogger(__name__)
 
 #: largest metadata of a handshake frame (AUTH, PROOF); they carry no body
 HANDSHAKE_META = 1024
@@ -72,6 +69,7 @@ class Session:
         #: when the watchdog closes this connection (None: no deadline now), and why
         self.deadline: float | None = now + server.config.handshake_timeout
         self.deadline_code = "handshake_timeout"
+        self.said_bye = False
 
     @property
     def registered(self) -> bool:
@@ -140,7 +138,7 @@ class Session:
         finally:
             self.state = State.CLOSED
             if self.learner is not None:
-                self.core.leave(self.learner)
+                self.core.leave(self.learner, clean=self.said_bye)
 
     def _await_request(self) -> None:
         """Set the deadline for the next request: the handshake's (fixed at accept) until
@@ -221,6 +219,7 @@ class Session:
 
     async def _bye(self, frame: Frame) -> None:
         self._fields(frame)
+        self.said_bye = True
         await self._reply(MsgType.BYE, {}, frame.meta)
         self.state = State.CLOSED
 

@@ -1,11 +1,13 @@
-"""Run statistics: the staleness histogram and per-learner gradient counts; a rate-limited log."""
+"""Run statistics: the staleness histogram, traffic per transport."""
 
 from __future__ import annotations
 
-import logging
-import time
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
+
+from ..transports.base import Connection
 
 
 class StalenessHistogram:
@@ -22,9 +24,13 @@ class StalenessHistogram:
         return sum(self.counts.values())
 
     @property
+    def sum(self) -> int:
+        return sum(s * c for s, c in self.counts.items())
+
+    @property
     def mean(self) -> float:
         t = self.total
-        return sum(s * c for s, c in self.counts.items()) / t if t else 0.0
+        return self.sum / t if t else 0.0
 
     @property
     def max(self) -> int:
@@ -45,27 +51,32 @@ class StalenessHistogram:
         return {"staleness_mean": self.mean, "staleness_max": self.max, "staleness_histogram": self.to_dict()}
 
 
-class RateLimitedLog:
-    """Log lines at most ``burst`` per ``period`` seconds; the ones left out are counted and
-    the count is reported with the next line that goes out (a flood of refusals must not
-    flood the log or cost the event loop more than the refusals themselves)."""
+class Traffic:
+    """Bytes received and sent per transport scheme: the connections' own counts
+    (:attr:`~rudra_async.transports.base.Connection.bytes_in`/``bytes_out``), those of
+    open connections read when asked, those of closed ones kept."""
 
-    def __init__(self, logger: logging.Logger, burst: int = 32, period: float = 1.0) -> None:
-        self.logger, self.burst, self.period = logger, burst, period
-        self._window_start = 0.0
-        self._in_window = 0
-        self.suppressed = 0
+    def __init__(self) -> None:
+        self._closed: dict[str, list[int]] = {}
+        self._open: dict[Connection, str] = {}
 
-    def warning(self, fmt: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._window_start >= self.period:
-            self._window_start, self._in_window = now, 0
-        if self._in_window >= self.burst:
-            self.suppressed += 1
-            return
-        self._in_window += 1
-        if self.suppressed:
-            fmt += " (%d similar lines suppressed)"
-            args = (*args, self.suppressed)
-            self.suppressed = 0
-        self.logger.warning(fmt, *args)
+    @contextlib.contextmanager
+    def track(self, scheme: str, conn: Connection) -> Iterator[None]:
+        """Count ``conn`` under ``scheme`` while the block runs, and keep its count after."""
+        self._open[conn] = scheme
+        self._closed.setdefault(scheme, [0, 0])
+        try:
+            yield
+        finally:
+            del self._open[conn]
+            kept = self._closed[scheme]
+            kept[0] += conn.bytes_in
+            kept[1] += conn.bytes_out
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """``{scheme: {"bytes_in": n, "bytes_out": n}}`` over every connection so far."""
+        out = {scheme: [b_in, b_out] for scheme, (b_in, b_out) in self._closed.items()}
+        for conn, scheme in self._open.items():
+            out[scheme][0] += conn.bytes_in
+            out[scheme][1] += conn.bytes_out
+        return {scheme: {"bytes_in": b_in, "bytes_out": b_out} for scheme, (b_in, b_out) in out.items()}

@@ -65,6 +65,9 @@ arrives through the subclass API:
   message-based transport stops posting receives (``await self._inbox_room()``, False
   once the connection takes nothing more), an in-process sender waits on its peer's.
   ``_on_consumed()`` is called after ``recv`` took a frame (e.g. to resume reading).
+- Traffic: :attr:`Connection.bytes_in` counts what ``_advance`` reads; a transport passes
+  each encoded frame through ``_sending(parts)`` (counted in :attr:`Connection.bytes_out`)
+  and adds bytes that move outside the frames (a body in shared memory) itself.
 
 Optional capabilities of a :class:`Transport` have defaults: ``in_process`` (no second
 process can reach it) and :meth:`Transport.shared_memory` (memory it sends by reference).
@@ -113,6 +116,9 @@ class Connection(abc.ABC):
     #: optional hook checking each incoming header before anything of its frame is
     #: allocated (see ``wire.Admit``); a server sets it when the connection is accepted
     admit: Admit | None = None
+    #: bytes received and sent: the frames as they travel (header, metadata, body)
+    bytes_in: int = 0
+    bytes_out: int = 0
     #: the inbox is full at this many unconsumed frames ...
     _inbox_frames: int = 8
     #: ... or this many bytes of unconsumed bodies, whichever comes first (one frame is always taken)
@@ -204,6 +210,7 @@ class Connection(abc.ABC):
     def _advance(self, reader: FrameReader, nbytes: int) -> None:
         """Report ``nbytes`` written into ``reader.get_buffer()``; deliver the frame it
         completes, or the fatal error it raises."""
+        self.bytes_in += nbytes
         try:
             frames = reader.advance(nbytes)
         except WireError as exc:
@@ -211,6 +218,12 @@ class Connection(abc.ABC):
             return
         for frame in frames:
             self._deliver(frame)
+
+    def _sending(self, parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+        """Count an encoded frame (``wire.encode_frame``'s or ``encode_messages``' buffers) as
+        sent, and return it."""
+        self.bytes_out += sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        return parts
 
     def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> memoryview | None:
         """:attr:`allocator` as a ``FrameReader``'s ``allocate`` (it may be set at any time)."""

@@ -39,7 +39,7 @@ class MemoryConnection(Connection):
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
-        parts = encode_frame(msg_type, meta, arrays, self.limits)
+        parts = self._sending(encode_frame(msg_type, meta, arrays, self.limits))
         other = self.other
         assert other is not None
         if await other._inbox_room():  # back-pressure; a peer that takes nothing more discards

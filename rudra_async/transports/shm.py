@@ -211,6 +211,7 @@ class ShmConnection(StreamConnection):
             err.fatal = False
             return Frame(frame.msg_type, meta, memoryview(b""), [], err)
         body = shm.buf[offset : offset + nbytes]
+        self.bytes_in += nbytes  # the body came through shared memory
         return Frame(frame.msg_type, meta, body, parsed, None, lambda: self._release(name, offset))
 
     def _release(self, name: str, offset: int) -> None:
@@ -258,6 +259,7 @@ class ShmConnection(StreamConnection):
             name, offset = where
             waiter = self._lent[where] = asyncio.get_running_loop().create_future()
             await super().send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
+            self.bytes_out += body  # the body goes through shared memory
             await self._until_lost(waiter)
             self._check_open()
             return
@@ -273,6 +275,7 @@ class ShmConnection(StreamConnection):
         except FrameTooLarge:  # the metadata: nothing went out, the segment stays free
             seg.busy = False
             raise
+        self.bytes_out += body  # the body goes through shared memory
 
     def _close_link(self) -> None:
         super()._close_link()

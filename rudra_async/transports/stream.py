@@ -84,7 +84,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._check_open()
         transport = self._transport
         assert transport is not None
-        transport.writelines(encode_frame(msg_type, meta, arrays, self.limits))
+        transport.writelines(self._sending(encode_frame(msg_type, meta, arrays, self.limits)))
         while transport.get_write_buffer_size() > 0:
             self._check_open()
             self._drained.clear()

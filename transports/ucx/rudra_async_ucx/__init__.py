@@ -79,7 +79,7 @@ class UcxConnection(Connection):
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
-        messages = encode_messages(msg_type, meta, arrays, self.limits)
+        messages = self._sending(encode_messages(msg_type, meta, arrays, self.limits))
         try:
             async with self._send_lock:  # a frame is several messages: never interleave two
                 for message in messages:

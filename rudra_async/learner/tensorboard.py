@@ -1,0 +1,76 @@
+"""A learner's scalars for TensorBoard (``--tensorboard DIR``): loss, staleness and
+throughput per step, written through ``torch.utils.tensorboard`` (the ``tensorboard``
+extra). The training loop calls :meth:`TrainingLog.record` once per step; nothing else
+of the loop is known here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["TrainingLog", "open_log", "updates_between"]
+
+
+class TrainingLog:
+    """Scalars under ``directory`` (one run of TensorBoard's): ``train/loss``,
+    ``train/staleness`` and ``train/samples_per_s``, by step."""
+
+    def __init__(self, directory: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError(
+                "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
+            ) from None
+        self.directory = directory
+        self._writer: Any = SummaryWriter(log_dir=directory)
+
+    def record(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        staleness: float | None = None,
+        samples_per_s: float | None = None,
+    ) -> None:
+        """The figures of one step (those given)."""
+        now = time.time()
+        for tag, value in (("loss", loss), ("staleness", staleness), ("samples_per_s", samples_per_s)):
+            if value is not None:
+                self._writer.add_scalar(f"train/{tag}", value, step, walltime=now)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _NoLog:
+    """What :func:`open_log` gives without a directory: records nothing."""
+
+    def record(self, step: int, **figures: float | None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def updates_between(stamp: Any, newer: Any) -> int:
+    """Updates the server made between the weights a gradient was computed on (``stamp``)
+    and those that came back with its push (``newer``), the gradient's own excepted: its
+    staleness σ under async (with shards, shard 0's clock)."""
+
+    def first(t: Any) -> int:
+        return int(t[0] if isinstance(t, tuple) else t)
+
+    return max(0, first(newer) - first(stamp) - 1)
+
+
+def open_log(directory: str | None, name: str) -> TrainingLog | _NoLog:
+    """A :class:`TrainingLog` in ``directory/name`` (one run per learner), or one that
+    records nothing when ``directory`` is None."""
+    if directory is None:
+        return _NoLog()
+    return TrainingLog(os.path.join(directory, name))

@@ -1,0 +1,96 @@
+"""Logging: one logger per module (``logging.getLogger(__name__)``), set up by the command
+line as text or JSON lines, and a rate limit for messages a peer can provoke.
+
+- :func:`configure`: the root handler for ``--log-level`` and ``--log-format text|json``.
+- :class:`JsonFormatter`: one JSON object per line: ``time`` (UTC, ISO 8601), ``level``,
+  ``logger``, ``message``, the fields passed with ``extra=`` (``learner``, ``peer``, ``code``,
+  …), and ``exception`` when there is one.
+- :func:`rate_limited`: gives a logger a :class:`RateLimit`, so repeated messages (hostile
+  input answered with the same refusal thousands of times a second) cannot flood the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+#: the attributes every LogRecord has; anything else on a record came with ``extra=``
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """A record as one JSON object on one line (see the module docstring for the keys)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update((k, v) for k, v in vars(record).items() if k not in _STANDARD)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure(level: str = "INFO", fmt: str = "text") -> None:
+    """Log to stderr at ``level`` as ``fmt`` (``text`` or ``json``), unless logging was set up
+    already (``logging.basicConfig``'s rule: an embedding program's own setup stays)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
+class RateLimit(logging.Filter):
+    """Lets through at most ``burst`` records of one kind (logger, level and message
+    template) per ``window`` seconds. The first record let through after some were
+    suppressed says how many (and carries ``suppressed=N``). DEBUG records are never
+    limited. Keys are message templates, so their number is bounded by the code."""
+
+    def __init__(self, burst: int = 20, window: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst, self.window, self.clock = burst, window, clock
+        self._kinds: dict[tuple[str, int, str], list[float]] = {}  # key -> [window start, passed, suppressed]
+
+    def reset(self) -> None:
+        """Forget every kind seen (a fresh budget for each)."""
+        self._kinds.clear()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.DEBUG:
+            return True
+        key = (record.name, record.levelno, str(record.msg))
+        now = self.clock()
+        state = self._kinds.get(key)
+        if state is None or now - state[0] >= self.window:
+            suppressed = int(state[2]) if state else 0
+            if len(self._kinds) >= 1000 and state is None:
+                self._kinds.clear()  # bounded, whatever templates come
+            self._kinds[key] = state = [now, 0, 0]
+            if suppressed:
+                record.msg = f"{record.getMessage()} [{suppressed} similar messages suppressed]"
+                record.args = None
+                record.suppressed = suppressed
+        if state[1] >= self.burst:
+            state[2] += 1
+            return False
+        state[1] += 1
+        return True
+
+
+def rate_limited(logger: logging.Logger, limit: RateLimit | None = None) -> logging.Logger:
+    """``logger`` with a :class:`RateLimit` (a shared default one unless given)."""
+    logger.addFilter(limit or DEFAULT_LIMIT)
+    return logger
+
+
+DEFAULT_LIMIT = RateLimit()

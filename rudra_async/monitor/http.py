@@ -1,0 +1,97 @@
+"""A very small HTTP/1.1 server on the server's own event loop, for ``/metrics``, the status
+page and its JSON: GET and HEAD only, one request per connection, bounded request size,
+time and connections, so a scraper or a browser never competes with training for more than
+the time it takes to render one answer.
+
+It runs on the event loop (not in a thread) so that each answer reads the server's state
+between two events, never in the middle of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from ..errors import ConnectError
+from ..logs import rate_limited
+
+log = rate_limited(logging.getLogger(__name__))
+
+Route = Callable[[str], tuple[int, str, bytes]]  # path -> (status, content type, body)
+
+MAX_REQUEST = 16 * 1024  # request line and headers
+TIMEOUT_S = 10.0  # to send a request, and to take the answer
+MAX_CONNECTIONS = 32
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+
+
+class HttpServer:
+    """Answers GET/HEAD requests with ``route(path)``."""
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        self.url = ""
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> None:
+        try:
+            self._server = await asyncio.start_server(self._client, host, port, limit=MAX_REQUEST)
+        except OSError as exc:
+            raise ConnectError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+        bound = self._server.sockets[0].getsockname()
+        self.url = f"http://[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"http://{bound[0]}:{bound[1]}"
+        log.info("metrics and status page on %s/", self.url)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._tasks) >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        self._tasks.add(task)
+        try:
+            status, ctype, body, head = await self._answer(reader)
+            writer.write(
+                f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Cache-Control: no-store\r\nConnection: close\r\n\r\n".encode("latin-1")
+            )
+            if not head:
+                writer.write(body)
+            await asyncio.wait_for(writer.drain(), TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes, bool]:
+        """(status, content type, body, whether it is a HEAD request)."""
+        plain = "text/plain; charset=utf-8"
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
+            return 400, plain, b"bad request\n", False
+        parts = request.split(b"\r\n", 1)[0].decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return 400, plain, b"bad request\n", False
+        method, target = parts[0], parts[1]
+        if method not in ("GET", "HEAD"):
+            return 405, plain, b"only GET and HEAD\n", False
+        try:
+            status, ctype, body = self.route(urlsplit(target).path)
+        except Exception:  # a bug in a route must not take the server down
+            log.exception("answering %s failed", target)
+            return 500, plain, b"internal error\n", method == "HEAD"
+        return status, ctype, body, method == "HEAD"

@@ -1,0 +1,44 @@
+"""The learners' --tensorboard scalars: written by TrainingLog, read back as TensorBoard reads them."""
+
+import pytest
+
+pytestmark = pytest.mark.torch
+
+
+def scalars(directory) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_a_training_log_writes_loss_staleness_and_throughput_by_step(tmp_path):
+    from rudra_async.learner.tensorboard import open_log, updates_between
+
+    log = open_log(str(tmp_path), "learner-3")
+    for step in range(1, 4):
+        log.record(step, loss=1.0 / step, staleness=step - 1, samples_per_s=100.0 * step)
+    log.record(4, loss=0.2)  # only what is given
+    log.close()
+    found = scalars(tmp_path / "learner-3")
+    assert [s for s, _ in found["train/loss"]] == [1, 2, 3, 4]
+    assert found["train/loss"][1][1] == pytest.approx(0.5)
+    assert [v for _, v in found["train/staleness"]] == [0, 1, 2]
+    assert [v for _, v in found["train/samples_per_s"]] == [100, 200, 300]
+    assert open_log(None, "x").record(1, loss=1.0) is None  # no directory: nothing written
+    assert updates_between(5, 6) == 0 and updates_between(5, 9) == 3 and updates_between((2, 2), (4, 5)) == 1
+
+
+def test_train_with_tensorboard_writes_one_run_per_learner(tmp_path):
+    from helpers import run_cli
+
+    proc = run_cli(
+        "train", "--learners", "2", "--updates", "30", "--quiet", "--tensorboard", str(tmp_path), "--kernel", "numpy"
+    )
+    assert proc.returncode == 0, proc.stderr
+    runs = sorted(p.name for p in tmp_path.iterdir())
+    assert runs == ["learner-0", "learner-1"]
+    found = [scalars(tmp_path / run) for run in runs]  # a learner started late may have had no step
+    assert sum(len(f.get("train/loss", [])) for f in found) >= 30  # a step per gradient the server took
+    assert all(v >= 0 for f in found for _, v in f.get("train/staleness", []))
