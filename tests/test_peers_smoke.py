@@ -93,5 +93,5 @@ def test_targets_are_ratios_of_medians_and_failures_are_reported():
     }
     md = driver.markdown(report)
     assert "| rudra:async:tcp | 2 | — | 10 (9–11) |" in md
-    assert "| rpc:async | 2 | failed: boom |" in md
+    assert "| rpc:async | 2 | failed: boom | | | | | |" in md
     assert "- rpc:async, a, λ=2: boom ⏎ details" in md

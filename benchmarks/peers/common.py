@@ -109,6 +109,9 @@ class Board:
     def count(self, rank: int) -> int:
         return int(self._entry(rank)[0])
 
+    def pid(self, rank: int) -> int:
+        return int(self._entry(rank)[1])
+
     def counts(self) -> list[int]:
         return [self.count(r) for r in range(self.learners)]
 

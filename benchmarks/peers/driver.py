@@ -268,6 +268,7 @@ def launch(point: Point, spec: Spec, args: argparse.Namespace) -> None:
             DMLC_NUM_SERVER="1",
             DMLC_NUM_WORKER=str(lam),
             DMLC_NODE_HOST="127.0.0.1",
+            PS_VERBOSE="1",  # ps-lite logs who registered: where a start-up hang stopped
             PYTHONUNBUFFERED="1",
         )
         point.start("scheduler", [mx_py, "-c", "import mxnet"], {**mx_env, "DMLC_ROLE": "scheduler"})
@@ -374,6 +375,8 @@ def measure(point: Point, board: Board, t: Timing, started: float) -> dict[str, 
     server_pid = point.server.popen.pid if point.server else None
     t0 = time.monotonic()
     cpu0 = cpu_seconds(server_pid) if server_pid else math.nan
+    learner_pids = [board.pid(r) for r in range(board.learners)]
+    learner_cpu0 = [cpu_seconds(p) for p in learner_pids]
     start_counts = board.counts()
     end = t0 + t.measure_s
 
@@ -385,6 +388,7 @@ def measure(point: Point, board: Board, t: Timing, started: float) -> dict[str, 
     wait(window_done, "in the measured window")
     t1 = time.monotonic()
     cpu1 = cpu_seconds(server_pid) if server_pid else math.nan
+    learner_cpu = [cpu_seconds(p) - c for p, c in zip(learner_pids, learner_cpu0)]
     board.stop()
     rss = peak_rss_mb(server_pid) if server_pid else math.nan
 
@@ -409,12 +413,27 @@ def measure(point: Point, board: Board, t: Timing, started: float) -> dict[str, 
         "server_peak_rss_mb": None if math.isnan(rss) else rss,
         "server_cpu_s_per_update": None if math.isnan(cpu0) else (cpu1 - cpu0) / (updates * (t1 - t0)),
         "server_cpu_share": None if math.isnan(cpu0) else (cpu1 - cpu0) / (t1 - t0),
+        "learner_cpu_share": statistics.mean(learner_cpu) / (t1 - t0),
         "window_s": t1 - t0,
         "per_learner_steps_per_s": rates,
     }
 
 
 def run_point(system: str, workload: str, learners: int, rep: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One point; run again once if it failed before any step (a start-up hang, a port taken)."""
+    result = run_once(system, workload, learners, rep, args)
+    if any(s in result.get("error", "") for s in STARTUP_FAILURES):
+        first = result
+        result = run_once(system, workload, learners, rep, args)
+        result["first_try"] = {k: first[k] for k in ("error", "logs") if k in first}
+        result["wall_s"] += first["wall_s"]
+    return result
+
+
+STARTUP_FAILURES = ("waiting for every learner's first step", "did not print")
+
+
+def run_once(system: str, workload: str, learners: int, rep: int, args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"system": system, "workload": workload, "learners": learners, "rep": rep}
     t = timing(workload, args.quick)
     point = Point(system, workload, learners, rep, Path(tempfile.mkdtemp(prefix="rudra-peers-", dir=shm_dir())))
@@ -451,7 +470,7 @@ def matrix(args: argparse.Namespace) -> list[tuple[str, str, int]]:
                 if workload in ("a", "b"):
                     points.append((system, workload, 1))
                 continue
-            lambdas = [1] if workload == "small" else args.lambdas
+            lambdas = ([2] if system == "ddp" else [1]) if workload == "small" else args.lambdas
             for lam in lambdas:
                 if system.startswith("rudra:softsync2") and lam < 2:
                     continue  # n-softsync needs n ≤ λ
@@ -476,7 +495,15 @@ def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[
     return out
 
 
-FIGURES = ["samples_per_s", "updates_per_s", "latency_ms", "server_peak_rss_mb", "server_cpu_s_per_update"]
+FIGURES = [
+    "samples_per_s",
+    "updates_per_s",
+    "latency_ms",
+    "server_peak_rss_mb",
+    "server_cpu_s_per_update",
+    "server_cpu_share",
+    "learner_cpu_share",
+]
 
 
 def med(summary: dict, key: tuple[str, str, int], figure: str) -> float | None:
@@ -548,6 +575,25 @@ def targets(summary: dict, lambdas: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+def more_ratios(summary: dict, lambdas: list[int]) -> list[str]:
+    """Markdown rows: rudra async over the best peer, and over λ × the single process, at every λ."""
+    rows = []
+    for workload in ("a", "b"):
+        ref = med(summary, ("reference", workload, 1), "samples_per_s")
+        for lam in lambdas:
+            peers = {p: med(summary, (p, workload, lam), "samples_per_s") for p in PEERS}
+            measured = {p: v for p, v in peers.items() if v}
+            best = max(measured, key=lambda p: measured[p]) if measured else None
+            for transport in ("tcp", "shm"):
+                ours = med(summary, (f"rudra:async:{transport}", workload, lam), "samples_per_s")
+                if ours is None:
+                    continue
+                vs_peer = f"{ours / measured[best]:.2f}× {best}" if best else "—"
+                vs_limit = f"{ours / (lam * ref):.2f}×" if ref else "—"
+                rows.append(f"| ({workload}) | {lam} | {transport} | {fmt(ours)} | {vs_peer} | {vs_limit} |")
+    return rows
+
+
 def fmt(x: float | None, digits: int = 3) -> str:
     if x is None:
         return "—"
@@ -566,9 +612,14 @@ def cell(s: dict[str, Any], figure: str, scale: float = 1.0, digits: int = 3) ->
     return f"{fmt(m, digits)} ({fmt(lo, digits)}–{fmt(hi, digits)})"
 
 
+def cores(s: dict[str, Any]) -> str:
+    server, learner = s.get("server_cpu_share"), s.get("learner_cpu_share")
+    return f"{fmt(server['median'], 2) if server else '—'}, {fmt(learner['median'], 2) if learner else '—'}"
+
+
 WORKLOAD_TITLES = {
     "a0": "(a0) the parameter server alone: 25,175,040 float32, fixed gradient, no compute",
-    "small": "(small) a 1,000-float push+pull round trip, λ = 1",
+    "small": "(small) a 1,000-float push+pull round trip, λ = 1 (DDP: an all-reduce between 2 ranks)",
     "a": "(a) communication-heavy: MLP 1024-4096-4096-1024, batch 8, MSE",
     "b": "(b) compute-heavy: CNN on 3×32×32, batch 32, cross-entropy",
 }
@@ -610,21 +661,32 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"## {WORKLOAD_TITLES[workload]}",
             "",
-            "| system | λ | samples/s | updates/s | push+pull ms | server peak RSS MB | server CPU ms/update |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| system | λ | samples/s | updates/s | push+pull ms | server peak RSS MB | server CPU ms/update "
+            "| CPU cores used: server, each learner |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for k in keys:
             s = summary[k]
             if not s["ok"]:
                 first = s["errors"][0].splitlines()[0] if s["errors"] else "?"
-                lines.append(f"| {k[0]} | {k[2]} | failed: {first} | | | | |")
+                lines.append(f"| {k[0]} | {k[2]} | failed: {first} | | | | | |")
                 continue
             note = f" ({s['ok']}/{s['reps']} ok)" if s["ok"] < s["reps"] else ""
             lines.append(
                 f"| {k[0]}{note} | {k[2]} | {cell(s, 'samples_per_s')} | {cell(s, 'updates_per_s')} | "
                 f"{cell(s, 'latency_ms')} | {cell(s, 'server_peak_rss_mb')} | "
-                f"{cell(s, 'server_cpu_s_per_update', 1e3)} |"
+                f"{cell(s, 'server_cpu_s_per_update', 1e3)} | {cores(s)} |"
             )
+    ratios = more_ratios(summary, report.get("lambdas", [1, 2, 4]))
+    if ratios:
+        lines += [
+            "",
+            "## rudra-async async at every λ (ratios of medians)",
+            "",
+            "| workload | λ | transport | samples/s | ÷ best peer | ÷ (λ × single process) |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *ratios,
+        ]
     errors = [(k, e) for k, s in summary.items() for e in s["errors"]]
     if errors:
         lines += ["", "## Errors", ""]
