@@ -119,7 +119,7 @@ def timing(workload: str, quick: bool) -> Timing:
     warm = {"a0": 3, "a": 5, "b": 5}[workload]
     if quick:
         return Timing(2, 0.2, 0.8, 2, 45)
-    return Timing(warm, 1.0, 4.0, 5, 60)
+    return Timing(warm, 0.5, 3.0, 5, 60)
 
 
 # -- processes --------------------------------------------------------------------------------
