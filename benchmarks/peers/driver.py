@@ -639,8 +639,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Each cell: median (min–max) of {report['reps']} passes over the whole matrix; each point starts "
         "fresh processes and times a steady-state window after warm-up (start-up never counts). "
-        "One compute thread per process. Server CPU s/update: the server process's user+system CPU "
-        "over the window ÷ updates in it. Latency: one push+pull (for DDP: all-reduce + SGD step; "
+        "One compute thread per process. Server CPU ms/update: the server process's user+system CPU "
+        "over the window ÷ updates in it; CPU cores used: CPU seconds ÷ window seconds (a learner below 1 "
+        "waited for the network, the server or a core). Latency: one push+pull (for DDP: all-reduce + SGD step; "
         "not separable in DDP's and MXNet's training loops). See `benchmarks/peers/driver.py` for the method.",
         "",
         "## Targets",
@@ -693,9 +694,29 @@ def markdown(report: dict[str, Any]) -> str:
         for k, e in errors:
             first = e.strip().replace("\n", " ⏎ ")[:600]
             lines.append(f"- {k[0]}, {k[1]}, λ={k[2]}: {first}")
-    if report.get("notes"):
-        lines += ["", "## Notes", "", *report["notes"]]
+    lines += ["", "## What each system is", "", *SYSTEM_NOTES]
     return "\n".join(lines) + "\n"
+
+
+SYSTEM_NOTES = [
+    "- `rudra:P:T`: one rudra-async server process (`ParameterServer`, protocol P, torch's fused SGD "
+    "kernel, 1 thread) and λ learner processes (`SyncClient.push_pull`: one round trip pushes the gradient "
+    "and pulls the next weights; training learners bind the model to flat buffers with `FlatModel`, no "
+    "overlap of communication with compute). `softsync2`: n = 2, c = ⌊λ/2⌋ gradients per update.",
+    "- `ddp`: `DistributedDataParallel` over gloo, λ ranks, `SGD(fused=True)` on each; the all-reduce "
+    "overlaps the backward pass. In (a0) and (small): all-reduce of the fixed gradient + the SGD step.",
+    "- `rpc:async` / `rpc:sync`: PyTorch's batch-update parameter-server tutorial over "
+    "`torch.distributed.rpc` (TensorPipe): the server holds the model and `optim.SGD(momentum=0.9)`; "
+    "trainers call `rpc_sync(update_and_fetch, grads)`, answered (with the weights as a list of tensors "
+    "rather than the tutorial's pickled module) after 1 or λ gradients.",
+    "- `mxnet:dist_async` / `mxnet:dist_sync`: MXNet 1.9.1's kvstore (ps-lite) with one scheduler, one "
+    "server and λ workers on 127.0.0.1, server-side SGD through `kv.set_optimizer`; training workers "
+    "compute with MXNet's own Gluon (hybridized, same architectures) and push/pull every parameter with "
+    "priorities as Gluon's Trainer does, so MXNet's compute speed (oneDNN) is part of its figures. MXNet "
+    "runs a Python thread and an engine worker thread per process (`MXNET_CPU_WORKER_NTHREADS=1`).",
+    "- `reference`: one process, `torch.optim.SGD(fused=True)` on the same model and batches: the compute "
+    "limit (λ × its samples/s) of the training workloads.",
+]
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
