@@ -486,7 +486,12 @@ def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[
     out = {}
     for key, rs in groups.items():
         ok = [r for r in rs if "error" not in r]
-        s: dict[str, Any] = {"reps": len(rs), "ok": len(ok), "errors": [r["error"] for r in rs if "error" in r]}
+        s: dict[str, Any] = {
+            "reps": len(rs),
+            "ok": len(ok),
+            "errors": [r["error"] for r in rs if "error" in r],
+            "retried": [r["first_try"]["error"] for r in rs if "first_try" in r],
+        }
         for figure in FIGURES:
             values = [r[figure] for r in ok if r.get(figure) is not None]
             if values:
@@ -689,11 +694,13 @@ def markdown(report: dict[str, Any]) -> str:
             *ratios,
         ]
     errors = [(k, e) for k, s in summary.items() for e in s["errors"]]
-    if errors:
+    retried = [(k, e) for k, s in summary.items() for e in s.get("retried", [])]
+    if errors or retried:
         lines += ["", "## Errors", ""]
         for k, e in errors:
-            first = e.strip().replace("\n", " ⏎ ")[:600]
-            lines.append(f"- {k[0]}, {k[1]}, λ={k[2]}: {first}")
+            lines.append(f"- {k[0]}, {k[1]}, λ={k[2]}: {one_line(e)}")
+        for k, e in retried:
+            lines.append(f"- {k[0]}, {k[1]}, λ={k[2]}, run again after a start-up failure: {one_line(e)}")
     lines += ["", "## What each system is", "", *SYSTEM_NOTES]
     return "\n".join(lines) + "\n"
 
@@ -717,6 +724,10 @@ SYSTEM_NOTES = [
     "- `reference`: one process, `torch.optim.SGD(fused=True)` on the same model and batches: the compute "
     "limit (λ × its samples/s) of the training workloads.",
 ]
+
+
+def one_line(text: str) -> str:
+    return text.strip().replace("\n", " ⏎ ")[:600]
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
