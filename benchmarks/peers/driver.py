@@ -111,6 +111,7 @@ class Timing:
     min_steps: int
     timeout_s: float
     capacity: int = 4096
+    window_limit_s: float = 20.0  # each window after the first may add this much to the point's timeout
 
 
 def timing(workload: str, quick: bool) -> Timing:
@@ -171,12 +172,24 @@ class Point:
                 raise PointError(f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}")
 
     def kill(self) -> None:
+        """Stop every process of the point without leaking shared memory: first each main
+        process alone (SIGINT, then SIGKILL), so that Python's resource tracker, a child in the
+        same process group, outlives it and unlinks the shared-memory segments it owned (the
+        shm transport's, 100 MB each in (a0)); then whatever is left of the groups."""
+        alive = [p for p in self.procs if p.popen.poll() is None]
+        for sig, grace in ((signal.SIGINT, 2.0), (signal.SIGKILL, 5.0)):
+            for p in alive:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    p.popen.send_signal(sig)
+            deadline = time.monotonic() + grace
+            for p in alive:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(max(0.01, deadline - time.monotonic()))
+            alive = [p for p in alive if p.popen.poll() is None]
+        time.sleep(0.5)  # the resource trackers unlink on their parent's end
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.popen.pid, signal.SIGKILL)
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(5)
         forget_pids(p.popen.pid for p in self.procs)
 
 
@@ -356,8 +369,8 @@ def per_update(system: str, learners: int) -> int:
     return 1
 
 
-def measure(point: Point, board: Board, t: Timing, started: float) -> dict[str, Any]:
-    deadline = started + t.timeout_s
+def measure(point: Point, board: Board, t: Timing, started: float, windows: int) -> list[dict[str, Any]]:
+    deadline = started + t.timeout_s + (windows - 1) * t.window_limit_s
 
     def wait(cond: Any, what: str) -> None:
         while not cond():
@@ -373,9 +386,21 @@ def measure(point: Point, board: Board, t: Timing, started: float) -> dict[str, 
         "warming up",
     )
     server_pid = point.server.popen.pid if point.server else None
+    learner_pids = [board.pid(r) for r in range(board.learners)]
+    results = [window(point, board, t, deadline, wait, server_pid, learner_pids) for _ in range(windows)]
+    board.stop()
+    rss = peak_rss_mb(server_pid) if server_pid else math.nan
+    for r in results:
+        r["server_peak_rss_mb"] = None if math.isnan(rss) else rss
+    return results
+
+
+def window(
+    point: Point, board: Board, t: Timing, deadline: float, wait: Any, server_pid: int | None, learner_pids: list[int]
+) -> dict[str, Any]:
+    """One measured window from now: its figures."""
     t0 = time.monotonic()
     cpu0 = cpu_seconds(server_pid) if server_pid else math.nan
-    learner_pids = [board.pid(r) for r in range(board.learners)]
     learner_cpu0 = [cpu_seconds(p) for p in learner_pids]
     start_counts = board.counts()
     end = t0 + t.measure_s
@@ -389,8 +414,6 @@ def measure(point: Point, board: Board, t: Timing, started: float) -> dict[str, 
     t1 = time.monotonic()
     cpu1 = cpu_seconds(server_pid) if server_pid else math.nan
     learner_cpu = [cpu_seconds(p) - c for p, c in zip(learner_pids, learner_cpu0)]
-    board.stop()
-    rss = peak_rss_mb(server_pid) if server_pid else math.nan
 
     rates, lats = [], []
     for r in range(board.learners):
@@ -410,7 +433,6 @@ def measure(point: Point, board: Board, t: Timing, started: float) -> dict[str, 
         "gradients_per_s": grads,
         "updates_per_s": updates,
         "latency_ms": statistics.median(lats) * 1e3 if lats else None,
-        "server_peak_rss_mb": None if math.isnan(rss) else rss,
         "server_cpu_s_per_update": None if math.isnan(cpu0) else (cpu1 - cpu0) / (updates * (t1 - t0)),
         "server_cpu_share": None if math.isnan(cpu0) else (cpu1 - cpu0) / (t1 - t0),
         "learner_cpu_share": statistics.mean(learner_cpu) / (t1 - t0),
@@ -419,42 +441,47 @@ def measure(point: Point, board: Board, t: Timing, started: float) -> dict[str, 
     }
 
 
-def run_point(system: str, workload: str, learners: int, rep: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One point; run again once if it failed before any step (a start-up hang, a port taken)."""
-    result = run_once(system, workload, learners, rep, args)
-    if any(s in result.get("error", "") for s in STARTUP_FAILURES):
-        first = result
-        result = run_once(system, workload, learners, rep, args)
-        result["first_try"] = {k: first[k] for k in ("error", "logs") if k in first}
-        result["wall_s"] += first["wall_s"]
-    return result
+def run_point(system: str, workload: str, learners: int, rep: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One point (one launch, ``args.windows`` windows); run again once if it failed before
+    any step (a start-up hang, a port taken)."""
+    results = run_once(system, workload, learners, rep, args)
+    if any(s in results[0].get("error", "") for s in STARTUP_FAILURES):
+        first = results[0]
+        results = run_once(system, workload, learners, rep, args)
+        for r in results:
+            r["first_try"] = {k: first[k] for k in ("error", "logs") if k in first}
+            r["wall_s"] += first["wall_s"]
+    return results
 
 
 STARTUP_FAILURES = ("waiting for every learner's first step", "did not print")
 
 
-def run_once(system: str, workload: str, learners: int, rep: int, args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"system": system, "workload": workload, "learners": learners, "rep": rep}
+def run_once(system: str, workload: str, learners: int, rep: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    base: dict[str, Any] = {"system": system, "workload": workload, "learners": learners, "rep": rep}
     t = timing(workload, args.quick)
     point = Point(system, workload, learners, rep, Path(tempfile.mkdtemp(prefix="rudra-peers-", dir=shm_dir())))
     board = Board(str(point.tmp / "board"), learners, t.capacity, create=True)
     spec = Spec(system, workload, "learner", 0, learners, board.path, t.capacity, tiny=args.tiny)
     started = time.monotonic()
+    results: list[dict[str, Any]] = []
     try:
         launch(point, spec, args)
-        result.update(measure(point, board, t, started))
+        results = [{**base, "window": i, **r} for i, r in enumerate(measure(point, board, t, started, args.windows))]
     except PointError as exc:
-        result["error"] = str(exc)
+        results = [{**base, "error": str(exc)}]
     except Exception as exc:  # a bug of the driver must not lose the other points
-        result["error"] = f"{type(exc).__name__}: {exc}"
+        results = [{**base, "error": f"{type(exc).__name__}: {exc}"}]
     finally:
         point.kill()
         board.close()
-        if "error" in result:
-            result["logs"] = {p.name: p.tail() for p in point.procs}
+        if not results or "error" in results[0]:
+            results = results or [{**base, "error": "interrupted"}]
+            results[0]["logs"] = {p.name: p.tail() for p in point.procs}
         shutil.rmtree(point.tmp, ignore_errors=True)
-    result["wall_s"] = time.monotonic() - started
-    return result
+    for r in results:
+        r["wall_s"] = time.monotonic() - started
+    return results
 
 
 def shm_dir() -> str | None:
@@ -642,13 +669,19 @@ def markdown(report: dict[str, Any]) -> str:
         f"Python {m['python']}, torch {m['torch']}, MXNet {m['mxnet']} (own venv). "
         f"Load average before/after: {m['load_before']} / {m['load_after']} (a shared machine: expect noise).",
         "",
-        f"Each cell: median (min–max) of {report['reps']} passes over the whole matrix; each point starts "
-        "fresh processes and times a steady-state window after warm-up (start-up never counts). "
+        f"Each cell: median (min–max) of {report['reps']} pass(es) over the whole matrix × "
+        f"{report.get('windows', 1)} consecutive measured window(s) per launch; each point starts "
+        "fresh processes and times steady-state windows after warm-up (start-up never counts). "
         "One compute thread per process. Server CPU ms/update: the server process's user+system CPU "
         "over the window ÷ updates in it; CPU cores used: CPU seconds ÷ window seconds (a learner below 1 "
         "waited for the network, the server or a core). Latency: one push+pull (for DDP: all-reduce + SGD step; "
         "not separable in DDP's and MXNet's training loops). See `benchmarks/peers/driver.py` for the method.",
         "",
+        *(
+            [f"**Incomplete run: {report['launches_done']} of {report['launches_total']} launches.**", ""]
+            if report.get("launches_done", 0) < report.get("launches_total", 0)
+            else []
+        ),
         "## Targets",
         "",
         "| target | ratio | goal | met | numbers (medians) |",
@@ -758,6 +791,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: short windows, 1 pass, outputs not in docs/")
     ap.add_argument("--reps", type=int, default=None, help="passes over the matrix (default 3; 1 with --quick)")
+    ap.add_argument("--windows", type=int, default=1, help="measured windows per launch (each counts as a repetition)")
     ap.add_argument("--only", default="", help="comma-separated prefixes of system names (default: all)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated among a0,small,a,b")
     ap.add_argument("--lambdas", default="1,2,4", help="learner counts λ")
@@ -793,31 +827,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(args),
         "reps": args.reps,
+        "windows": args.windows,
         "workloads": args.workloads,
         "lambdas": args.lambdas,
         "quick": args.quick,
         "results": [],
     }
     total = len(points) * args.reps
-    print(f"{len(points)} points × {args.reps} passes = {total} runs", file=sys.stderr)
+    print(f"{len(points)} points × {args.reps} passes × {args.windows} windows = {total} launches", file=sys.stderr)
     done = 0
-    for rep in range(args.reps):
-        for system, workload, lam in points:
-            r = run_point(system, workload, lam, rep, args)
-            report["results"].append(r)
-            done += 1
-            figures = "  ".join(
-                f"{f}={fmt(r[f])}" for f in ("samples_per_s", "updates_per_s", "latency_ms") if r.get(f) is not None
-            )
-            status = (
-                figures
-                if "error" not in r
-                else "ERROR " + " ⏎ ".join(r["error"].strip().splitlines()[::-1][:2][::-1])[:300]
-            )
-            print(
-                f"[{done}/{total}] pass {rep + 1} {system:18} {workload:5} λ={lam}  {status}  ({r['wall_s']:.1f} s)",
-                file=sys.stderr,
-            )
+    try:
+        for rep in range(args.reps):
+            for system, workload, lam in points:
+                rs = run_point(system, workload, lam, rep, args)
+                report["results"].extend(rs)
+                done += 1
+                report["launches_done"], report["launches_total"] = done, total
+                print(
+                    f"[{done}/{total}] pass {rep + 1} {system:18} {workload:5} λ={lam}  {status(rs)}", file=sys.stderr
+                )
+                write(report, args, final=False)  # an interrupted run keeps what it measured
+    finally:
+        write(report, args, final=True)
+    return report
+
+
+def status(rs: list[dict[str, Any]]) -> str:
+    r = rs[0]
+    if "error" in r:
+        return "ERROR " + " ⏎ ".join(r["error"].strip().splitlines()[::-1][:2][::-1])[:300]
+    figures = "  ".join(
+        f"{f}={'/'.join(fmt(x[f]) for x in rs)}"
+        for f in ("samples_per_s", "updates_per_s", "latency_ms")
+        if r.get(f) is not None
+    )
+    return f"{figures}  ({r['wall_s']:.1f} s)"
+
+
+def write(report: dict[str, Any], args: argparse.Namespace, final: bool) -> None:
     report["machine"]["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     summary = summarize(report["results"])
     report["summary"] = {json.dumps(list(k)): v for k, v in summary.items()}
@@ -825,5 +872,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     args.md.write_text(markdown(report))
-    print(f"wrote {args.md} and {args.json}", file=sys.stderr)
-    return report
+    if final:
+        print(f"wrote {args.md} and {args.json}", file=sys.stderr)
