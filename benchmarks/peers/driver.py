@@ -10,8 +10,8 @@ Systems (``--only`` takes a comma-separated list of prefixes of these names):
 
 - ``rudra:async:tcp``, ``rudra:hardsync:tcp``, ``rudra:softsync2:tcp`` (n = 2, λ ≥ 2) and
   the same over ``shm``: a rudra-async server process (``ParameterServer``, torch's fused SGD
-  kernel) and λ learner processes (``SyncClient.push_pull``; for (a)/(b) the model is bound to
-  flat buffers, see ``torch_side.RudraStep``, the one place to switch to ``rudra_async.torch``);
+  kernel) and λ learner processes (``SyncClient.push_pull`` in (a0) and small; for (a)/(b)
+  the user's API, ``rudra_async.torch.DistributedOptimizer``, wrapping the model);
 - ``ddp``: ``DistributedDataParallel`` over gloo, λ ranks, fused SGD on every rank; in (a0)
   and small, a gloo all-reduce of the fixed gradient plus the fused SGD step;
 - ``rpc:async``, ``rpc:sync``: PyTorch's batch-update parameter-server tutorial over

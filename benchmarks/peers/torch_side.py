@@ -86,37 +86,6 @@ class Batches:
 
 
 # -- rudra-async ------------------------------------------------------------------------------
-class RudraStep:
-    """The rudra-async learner of the training workloads, optimizer-style: after
-    ``loss.backward()``, :meth:`step` pushes the gradient and pulls the next weights into the
-    model (one round trip); it returns the push+pull time.
-
-    This is the ONE place to switch to ``rudra_async.torch`` (the optimizer-style API, with its
-    ``overlap`` option) once it is on this branch; today it is what ``run_learner`` does:
-    :class:`~rudra_async.learner.training.FlatModel` + ``SyncClient.push_pull``.
-    """
-
-    def __init__(self, module: nn.Module, url: str) -> None:
-        from rudra_async.client import SyncClient
-        from rudra_async.learner.training import FlatModel
-
-        self.flat = FlatModel(module)
-        weights = self.flat.weights.numpy()
-        self.client = SyncClient(url, self.flat.layout, weights)
-        self.client.set_weights_buffer(weights)
-        self.w = self.client.pull()
-        self.steps = 0
-
-    def zero_grad(self) -> None:
-        self.flat.zero_grad()
-
-    def step(self, samples: int) -> float:
-        t = time.perf_counter()
-        self.w = self.client.push_pull(self.flat.grads.numpy(), self.w.timestamp, self.steps, samples)
-        self.steps += 1
-        return time.perf_counter() - t
-
-
 def rudra_server(spec: Spec) -> None:
     import asyncio
 
@@ -156,14 +125,17 @@ def rudra_learner(spec: Spec, rec: Recorder) -> None:
             rec.step(time.perf_counter() - t)
         client.close()
         return
+    from rudra_async.torch import DistributedOptimizer
+
     model, data = build_model(spec.workload, spec.tiny), Batches(spec.workload, spec.tiny, spec.rank)
-    opt = RudraStep(model, spec.address)
-    while not rec.stopped:
-        x, y = data.next()
-        opt.zero_grad()
-        data.loss(model(x), y).backward()
-        rec.step(opt.step(len(x)))
-    opt.client.close()
+    with DistributedOptimizer(model, spec.address) as opt:  # what a user's script does
+        while not rec.stopped:
+            x, y = data.next()
+            opt.zero_grad()
+            data.loss(model(x), y).backward()
+            t = time.perf_counter()
+            opt.step(samples=len(x))  # push the gradient, pull the next weights into the model
+            rec.step(time.perf_counter() - t)
 
 
 # -- the single-process reference ---------------------------------------------------------------
