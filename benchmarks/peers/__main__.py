@@ -1,0 +1,3 @@
+from benchmarks.peers.driver import main
+
+main()

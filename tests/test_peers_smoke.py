@@ -1,0 +1,97 @@
+"""The peer benchmark's driver (benchmarks/peers): its rudra-async and DDP paths on a tiny
+model, and the targets and table it writes. MXNet (its own environment) stays out."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not an installed package
+from benchmarks.peers import driver
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.torch
+def test_quick_tiny_run_of_rudra_and_ddp_measures_both(tmp_path):
+    md, js = tmp_path / "t.md", tmp_path / "t.json"
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--quick", "--tiny", "--only", "rudra:async:tcp,ddp"]
+    cmd += ["--workloads", "a", "--lambdas", "2", "--md", str(md), "--json", str(js)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(js.read_text())
+    by_system = {r["system"]: r for r in report["results"]}
+    assert set(by_system) == {"rudra:async:tcp", "ddp"}
+    for r in by_system.values():
+        assert "error" not in r, r
+        assert r["samples_per_s"] > 0 and r["updates_per_s"] > 0
+    assert by_system["rudra:async:tcp"]["server_peak_rss_mb"] > 0
+    assert by_system["rudra:async:tcp"]["latency_ms"] > 0
+    assert "| rudra:async:tcp | 2 |" in md.read_text()
+
+
+def _result(system, workload, lam, samples=None, updates=None, latency=None, rep=0):
+    return {
+        "system": system,
+        "workload": workload,
+        "learners": lam,
+        "rep": rep,
+        "samples_per_s": samples,
+        "updates_per_s": updates,
+        "latency_ms": latency,
+    }
+
+
+def test_targets_are_ratios_of_medians_and_failures_are_reported():
+    results = []
+    for rep, noise in enumerate((1.0, 1.1, 0.9)):
+        for lam in (1, 2, 4):
+            results.append(_result("rudra:async:tcp", "a0", lam, updates=10 * noise, rep=rep))
+            results.append(_result("rudra:async:shm", "a0", lam, updates=20 * noise, rep=rep))
+            results.append(_result("mxnet:dist_async", "a0", lam, updates=4.0, rep=rep))
+        results.append(_result("rudra:async:tcp", "small", 1, latency=0.1, rep=rep))
+        results.append(_result("rudra:async:shm", "small", 1, latency=0.2, rep=rep))
+        results.append(_result("mxnet:dist_async", "small", 1, latency=0.5, rep=rep))
+        results.append(_result("rudra:async:tcp", "a", 2, samples=120, rep=rep))
+        results.append(_result("ddp", "a", 2, samples=100, rep=rep))
+        results.append({**_result("rpc:async", "a", 2, rep=rep), "error": "boom\ndetails"})
+        results.append(_result("reference", "b", 1, samples=50, rep=rep))
+        results.append(_result("rudra:async:shm", "b", 2, samples=99, rep=rep))
+    summary = driver.summarize(results)
+    assert summary["rudra:async:tcp", "a0", 2]["updates_per_s"] == {"median": 10.0, "min": 9.0, "max": 11.0}
+    rows = {t["target"]: t for t in driver.targets(summary, [1, 2, 4])}
+    tcp_a0 = rows["(a0) updates/s, rudra async tcp:// ÷ MXNet dist_async, λ=2"]
+    assert tcp_a0["ratio"] == pytest.approx(2.5) and tcp_a0["met"] is False
+    assert rows["(a0) updates/s, rudra async shm:// ÷ MXNet dist_async, λ=4"]["met"] is False  # 5 < 6
+    assert rows["(small) 1,000-float push+pull, MXNet dist_async ÷ rudra tcp://"]["ratio"] == pytest.approx(5)
+    assert rows["(a) samples/s at λ=2, rudra async tcp:// ÷ best peer (ddp)"]["ratio"] == pytest.approx(1.2)
+    assert rows["(a) samples/s at λ=2, rudra async shm:// ÷ best peer (ddp)"]["met"] is None  # not measured
+    b_shm = rows["(b) samples/s at λ=2, rudra async shm:// ÷ compute limit (2 × single process)"]
+    assert b_shm["ratio"] == pytest.approx(0.99) and b_shm["met"] is True
+    report = {
+        "command": "python -m benchmarks.peers",
+        "date": "today",
+        "reps": 3,
+        "workloads": ["a0", "small", "a", "b"],
+        "machine": {
+            "cpu": "CPU",
+            "cores": 2,
+            "memory_gb": 24,
+            "kernel": "6",
+            "python": "3.11",
+            "torch": "2",
+            "mxnet": "1.9.1",
+            "load_before": "0",
+            "load_after": "0",
+        },
+        "summary": {json.dumps(list(k)): v for k, v in summary.items()},
+        "targets": list(rows.values()),
+    }
+    md = driver.markdown(report)
+    assert "| rudra:async:tcp | 2 | — | 10 (9–11) |" in md
+    assert "| rpc:async | 2 | failed: boom | | | | | |" in md
+    assert "- rpc:async, a, λ=2: boom ⏎ details" in md
