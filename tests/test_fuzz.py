@@ -222,7 +222,8 @@ async def run_phase(tmp_path, cases, *, secret, protocol, seed=1):
         log.seek(0)
         err = log.read()
         assert server.returncode == 0, err[-3000:]
-        assert "Traceback" not in err and " failed" not in err, err[-3000:]
+        faults = [line for line in err.splitlines() if "Traceback" in line or " ERROR " in line or " CRITICAL " in line]
+        assert not faults, faults[:5]  # refusals are WARNINGs; anything worse is a fault of the server
         return weights, peak, err, seconds
     finally:
         reap(server)

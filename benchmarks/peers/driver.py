@@ -799,6 +799,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mxnet-venv", type=Path, default=MXNET_VENV)
     ap.add_argument("--md", type=Path, default=None, help="Markdown table (default docs/benchmarks.md)")
     ap.add_argument("--json", type=Path, default=None, help="JSON results (default docs/benchmarks.json)")
+    ap.add_argument(
+        "--add",
+        action="store_true",
+        help="add this run's points to the results already in --json (points run again replace theirs)",
+    )
     args = ap.parse_args(argv)
     prefixes = [p for p in args.only.split(",") if p]
     args.systems = [s for s in SYSTEMS if not prefixes or any(s.startswith(p) for p in prefixes)]
@@ -833,6 +838,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quick": args.quick,
         "results": [],
     }
+    if args.add and args.json.exists():
+        keep_earlier(report, json.loads(args.json.read_text()), points)
+        args.lambdas = report["lambdas"]
     total = len(points) * args.reps
     print(f"{len(points)} points × {args.reps} passes × {args.windows} windows = {total} launches", file=sys.stderr)
     done = 0
@@ -850,6 +858,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         write(report, args, final=True)
     return report
+
+
+def keep_earlier(report: dict[str, Any], earlier: dict[str, Any], points: list[tuple[str, str, int]]) -> None:
+    """``--add``: the earlier run's results for the points this run does not measure, its
+    commands listed before this one's, its workloads and λ joined to this run's."""
+    again = set(points)
+    report["results"] = [r for r in earlier["results"] if (r["system"], r["workload"], r["learners"]) not in again]
+    report["command"] = f"{earlier['command']}` then `{report['command']}"
+    report["workloads"] = sorted({*earlier["workloads"], *report["workloads"]})
+    report["lambdas"] = sorted({*earlier["lambdas"], *report["lambdas"]})
 
 
 def status(rs: list[dict[str, Any]]) -> str:
