@@ -107,9 +107,16 @@ def roundtrip(url: str, size: int, rounds: int, calls: int) -> dict[str, float]:
     sync = SyncClient(url, layout)
     x = torch.zeros(1, model.in_features)
 
+    def backward() -> None:
+        """The training step's compute, untimed, before every call of each client: a server
+        woken after a pause answers more slowly than one in a tight loop, so all three see it."""
+        opt.zero_grad()
+        model(x).sum().backward()
+
     async def async_calls() -> list[float]:
         w, times = await client.pull(), []
         for _ in range(calls):
+            backward()
             t = time.perf_counter()
             w = await client.push_pull(grad, w.timestamp)
             times.append(time.perf_counter() - t)
@@ -118,6 +125,7 @@ def roundtrip(url: str, size: int, rounds: int, calls: int) -> dict[str, float]:
     def sync_calls() -> list[float]:
         w, times = sync.pull(), []
         for _ in range(calls):
+            backward()
             t = time.perf_counter()
             w = sync.push_pull(grad, w.timestamp)
             times.append(time.perf_counter() - t)
@@ -126,8 +134,7 @@ def roundtrip(url: str, size: int, rounds: int, calls: int) -> dict[str, float]:
     def api_calls() -> list[float]:
         times = []
         for _ in range(calls):
-            opt.zero_grad()
-            model(x).sum().backward()  # not timed: step() needs this step's gradient
+            backward()  # step() needs this step's gradient
             t = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t)

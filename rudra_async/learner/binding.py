@@ -65,10 +65,12 @@ class FlatParameters:
 
     def bind(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
         """Make ``weights``/``grads`` (flat, on the parameters' device) the parameters' memory."""
+        self._grad_views: list[torch.Tensor] = []  # the parameters' .grad, views of grads
         for p, t in zip(self.params, self.layout.tensors):
             part = slice(t.offset, t.offset + t.size)
             p.data = weights[part].view(t.shape)
             p.grad = grads[part].view(t.shape)
+            self._grad_views.append(p.grad)
         self.weights, self.grads = weights, grads
 
     def zero_grad(self) -> None:
@@ -104,11 +106,13 @@ class FlatParameters:
     def _rebind_foreign_grads(self, copy: bool) -> None:
         """A parameter whose ``.grad`` is not a view of the flat buffer (``set_to_none`` by a
         torch optimizer's zero_grad): move its gradient in and bind it again."""
-        for p, t in zip(self.params, self.layout.tensors):
-            part = self.grads[t.offset : t.offset + t.size].view(t.shape)
-            if p.grad is None or p.grad.data_ptr() != part.data_ptr():
-                if copy and p.grad is not None:
-                    part.copy_(p.grad)
+        for p, part in zip(self.params, self._grad_views):
+            grad = p.grad
+            if grad is part:
+                continue
+            if grad is None or grad.data_ptr() != part.data_ptr():
+                if copy and grad is not None:
+                    part.copy_(grad)
                 p.grad = part
 
 
