@@ -101,11 +101,23 @@ class PendingGradient:
         self.settle("refused")
 
 
+#: values per block of :func:`max_abs` (1 MiB of float32): its second reduction reads the cache
+MAX_ABS_BLOCK = 1 << 18
+
+
 def max_abs(a: np.ndarray) -> float:
-    """max |a| as a Python float; NaN if ``a`` holds a NaN (two reductions, no temporary)."""
+    """max |a| of a flat array as a Python float; NaN if ``a`` holds a NaN. Block by block,
+    max then min of each block, so the array is read from memory once (no temporary)."""
     if not a.size:
         return 0.0
-    return max(abs(float(a.max())), abs(float(a.min())))
+    flat, found = a.reshape(-1), 0.0
+    for lo in range(0, flat.size, MAX_ABS_BLOCK):
+        block = flat[lo : lo + MAX_ABS_BLOCK]
+        high, low = float(block.max()), float(block.min())
+        if math.isnan(high) or math.isnan(low):
+            return math.nan
+        found = max(found, abs(high), abs(low))
+    return found
 
 
 def learner_extra(info: LearnerInfo) -> dict[str, Any]:
