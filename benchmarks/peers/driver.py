@@ -741,8 +741,9 @@ def markdown(report: dict[str, Any]) -> str:
 SYSTEM_NOTES = [
     "- `rudra:P:T`: one rudra-async server process (`ParameterServer`, protocol P, torch's fused SGD "
     "kernel, 1 thread) and λ learner processes (`SyncClient.push_pull`: one round trip pushes the gradient "
-    "and pulls the next weights; training learners bind the model to flat buffers with `FlatModel`, no "
-    "overlap of communication with compute). `softsync2`: n = 2, c = ⌊λ/2⌋ gradients per update.",
+    "and pulls the next weights); training learners wrap the model in `rudra_async.torch.DistributedOptimizer` "
+    "as a user's script does (its default: no overlap of communication with compute). `softsync2`: n = 2, "
+    "c = ⌊λ/2⌋ gradients per update.",
     "- `ddp`: `DistributedDataParallel` over gloo, λ ranks, `SGD(fused=True)` on each; the all-reduce "
     "overlaps the backward pass. In (a0) and (small): all-reduce of the fixed gradient + the SGD step.",
     "- `rpc:async` / `rpc:sync`: PyTorch's batch-update parameter-server tutorial over "
