@@ -315,7 +315,7 @@ class ParameterServer:
             )
 
     def refused(self, code: str, message: str) -> None:
-        """Count a refusal under ``code`` and log it (at most a few lines a second)."""
+        """Count a refusal under ``code`` and log it (rate-limited: see ``logs.RateLimit``)."""
         self.core.reject(code)
         log.warning("refused [%s] %s", code, message, extra={"code": code})
 
