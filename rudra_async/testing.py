@@ -121,13 +121,16 @@ class _Suite:
 
     async def _watch_victim(self, conn: Connection) -> None:
         assert self.victim_outcome is not None
+        outcome: BaseException | None = None
         try:
-            frame = await conn.recv()
-            outcome: BaseException | None = (
-                None
-                if frame is None
-                else AssertionError(f"a frame arrived from a peer killed mid-frame ({frame.body.nbytes} body bytes)")
-            )
+            while True:  # whole frames may arrive before the kill (a fast transport); a cut one must not
+                frame = await conn.recv()
+                if frame.body.nbytes != VICTIM_BYTES:
+                    outcome = AssertionError(
+                        f"a frame cut short arrived from a peer killed mid-frame ({frame.body.nbytes} body bytes)"
+                    )
+                    break
+                frame.release()
         except RudraError as exc:
             outcome = exc
         if not self.victim_outcome.done():
@@ -406,6 +409,8 @@ async def _handshake(s: _Suite, url: str, secret: bytes) -> tuple[bytes, bytes]:
         conn.close()
 
 
+#: the body of each frame the victim sends, over and over, until it is killed
+VICTIM_BYTES = 512 * MiB
 _VICTIM = textwrap.dedent("""
     import asyncio, sys, numpy as np
     from rudra_async import transports
@@ -431,7 +436,7 @@ async def peer_killed_mid_frame(s: _Suite) -> None:
         "-c",
         _VICTIM,
         s.address,
-        str(512 * MiB),
+        str(VICTIM_BYTES),
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
