@@ -24,7 +24,6 @@ import itertools
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
+from loopback import free_port, wait_listening  # benchmarks/loopback.py (the script's directory is on sys.path)
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MLP = (1024, 4096, 4096, 1024)
@@ -53,24 +53,6 @@ def synthetic(steps: int, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(BATCH, MLP[0], generator=g), torch.randn(BATCH, MLP[-1], generator=g)) for _ in range(steps)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_listening(port: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 @contextmanager

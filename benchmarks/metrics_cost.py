@@ -32,16 +32,11 @@ import sys
 import time
 
 import numpy as np
+from loopback import free_port  # benchmarks/loopback.py (the script's directory is on sys.path)
 
 from rudra_async.client import connect
 from rudra_async.eventloop import run
 from rudra_async.layout import Layout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(port: int, *args: str) -> subprocess.Popen[bytes]:

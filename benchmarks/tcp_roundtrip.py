@@ -20,6 +20,7 @@ import asyncio
 import multiprocessing as mp
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import uvloop
@@ -107,8 +108,12 @@ def _serve_rudra(size: int, port_q, stats_pipe, shard: Shard = Shard()) -> None:
     uvloop.run(main())
 
 
-async def rudra_round_trips(url: str, size: int, reps: int) -> list[float]:
-    client = await connect(url, Layout.from_shapes([("w", (size,))]))
+async def rudra_round_trips(
+    url: str, size: int, reps: int, initial: np.ndarray | None = None, **options: Any
+) -> list[float]:
+    """Seconds per push+pull of ``size`` floats (the first, which warms the buffers, left out);
+    ``initial`` and ``options`` go to :func:`rudra_async.client.connect`."""
+    client = await connect(url, Layout.from_shapes([("w", (size,))]), initial, **options)
     grad = np.full(size, 1e-3, np.float32)
     w = await client.pull()
     times = []

@@ -16,16 +16,16 @@ import multiprocessing as mp
 import statistics
 import subprocess
 import tempfile
-import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from tcp_roundtrip import rudra_round_trips  # benchmarks/tcp_roundtrip.py (the script's directory is on sys.path)
 
 from rudra_async import security
-from rudra_async.client import Client
 from rudra_async.config import ServerConfig
 from rudra_async.eventloop import run
-from rudra_async.layout import Layout
 from rudra_async.server import ParameterServer
 
 
@@ -50,18 +50,10 @@ def serve(cfg: ServerConfig, queue: mp.Queue) -> None:
     run(main())
 
 
-async def time_round_trips(url: str, size: int, reps: int, tls: object) -> list[float]:
-    layout = Layout.from_shapes([("w", (size // 4,))])
-    client = await Client.connect(url, layout, np.zeros(size // 4, np.float32), tls=tls, timeout=60)
-    grad = np.zeros(size // 4, np.float32)
-    w = await client.pull()
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        w = await client.push_pull(grad, w.timestamp)
-        times.append(time.perf_counter() - t0)
-    await client.close()
-    return times[1:]  # the first warms the buffers
+def round_trips(url: str, size: int, reps: int, **options: Any) -> Coroutine[Any, Any, list[float]]:
+    """Seconds per push+pull of a ``size``-byte gradient to a server started without weights."""
+    floats = size // 4
+    return rudra_round_trips(url, floats, reps, np.zeros(floats, np.float32), timeout=60, **options)
 
 
 def main() -> None:
@@ -87,8 +79,8 @@ def main() -> None:
         plain: list[float] = []
         tls: list[float] = []
         for _ in range(2):  # alternate, so both see the same machine load
-            plain += run(time_round_trips(plain_url, size, args.reps // 2, None))
-            tls += run(time_round_trips(tls_url, size, args.reps // 2, client_tls))
+            plain += run(round_trips(plain_url, size, args.reps // 2))
+            tls += run(round_trips(tls_url, size, args.reps // 2, tls=client_tls))
         for p in procs:
             p.terminate()
     moved = 2 * size / 1e6  # MB up and down

@@ -78,7 +78,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -88,6 +87,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.loopback import free_port
 from benchmarks.peers.common import BATCH, SINGLE_THREAD_ENV, Board, Spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,12 +219,6 @@ def kill_leftovers() -> None:
                     os.killpg(pid, signal.SIGKILL)
                 print(f"killed a leftover process group {pid}", file=sys.stderr)
     PIDFILE.write_text("")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torch_env() -> dict[str, str]:
