@@ -140,7 +140,7 @@ class DistributedOptimizer:
                 )
             )
             check_optimizer(optimizer, self.client.welcome)
-            self._receive_into(self.flat.weights)
+            self.client.set_weights_buffer(self.flat.host_weights)  # pulled weights land in the model (CPU)
             self._arrived(self._call(self.client.pull))
         except BaseException:
             self.close()
@@ -225,10 +225,6 @@ class DistributedOptimizer:
         self.timestamp: Stamp = weights.timestamp
         self.stopped = weights.stop
         self.flat.load(wait)
-
-    def _receive_into(self, weights: torch.Tensor) -> None:
-        """Pulled weights land in ``weights`` (the model's memory on the CPU; else host staging)."""
-        self.client.set_weights_buffer(weights.numpy() if self.flat.on_cpu else self.flat.host_weights)
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run a client call in the client's thread."""

@@ -55,7 +55,8 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
             last_loss = loss.item()
             stamp = opt.timestamp
             opt.step(loss=last_loss, samples=len(x))
-            tick, step_s = time.monotonic(), time.monotonic() - tick
+            now = time.monotonic()
+            step_s, tick = now - tick, now
             tensorboard.record(
                 opt.steps,
                 loss=last_loss,

@@ -48,7 +48,6 @@ class Parts:
     model: nn.Module
     batches: Callable[[], Iterator[Batch]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    device: torch.device
     batches_per_pass: int | None  # one pass over this learner's data; None when it has no length
     test: datasets.Dataset | None  # a built-in data set's test split, for the final accuracy
 
@@ -131,7 +130,7 @@ def load_parts(opts: LearnerOptions, index: int = 0, learners: int = 1) -> Parts
         model = _builtin_model(opts.model, dataset)
         batches = _builtin_batches(dataset, opts.batch_size, np.random.default_rng([opts.seed, index]), device)
         per_pass = max(1, len(dataset.y_train) // opts.batch_size)
-        return Parts(model.to(device), batches, loss, device, per_pass, dataset)
+        return Parts(model.to(device), batches, loss, per_pass, dataset)
     if ":" not in opts.model:
         raise LearnerError(f"--model {opts.model!r} is built for --dataset; with --data give --model module:function")
     model = call_user(load_user_object(opts.model, "--model"), opts.model, "model function")
@@ -149,7 +148,7 @@ def load_parts(opts: LearnerOptions, index: int = 0, learners: int = 1) -> Parts
     if not isinstance(data, Iterable):
         raise LearnerError(f"data function {opts.data!r} returned {type(data).__name__}, not an iterable of batches")
     size = len(data) if isinstance(data, Sized) else None
-    return Parts(model.to(device), _user_batches(data, opts.data, device), loss, device, size, None)
+    return Parts(model.to(device), _user_batches(data, opts.data, device), loss, size, None)
 
 
 def _builtin(name: str) -> datasets.Dataset:

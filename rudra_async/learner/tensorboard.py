@@ -26,7 +26,6 @@ class TrainingLog:
             raise ConfigError(
                 "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
             ) from None
-        self.directory = directory
         self._writer: Any = SummaryWriter(log_dir=directory)
 
     def record(

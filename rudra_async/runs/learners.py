@@ -15,7 +15,6 @@ import multiprocessing as mp
 import os
 import queue
 import sys
-from collections.abc import Callable
 from multiprocessing import forkserver
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -60,7 +59,7 @@ class LearnerGroup:
             for cfg in configs
         ]
 
-    async def run(self, timeout: float, tick: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+    async def run(self, timeout: float) -> list[dict[str, Any]]:
         """Start every learner, wait for all to end (killing them past ``timeout`` seconds),
         and return the summaries of those that succeeded, in index order."""
         for p in self.procs:
@@ -70,7 +69,6 @@ class LearnerGroup:
             while any(p.exitcode is None for p in self.procs):
                 if asyncio.get_running_loop().time() > deadline:
                     raise RudraError(f"the run did not finish within {timeout:g} s; learners were stopped")
-                tick()
                 await asyncio.sleep(0.05)
         finally:
             self.kill()
