@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 
-MAX_TENSOR_DIMS = 32  # as many as a wire segment may have
+MAX_TENSOR_DIMS = 32  # dimensions of a tensor, and of a wire segment (numpy 1.x's limit; numpy 2 allows 64)
 
 
 @dataclass(frozen=True)

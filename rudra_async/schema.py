@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import RequestError
+from .security import NONCE_BYTES
 from .wire import MAX_DIMS, MsgType
 
 __all__ = ["FIELDS", "Field", "check", "markdown_table"]
 
 INT64_MAX = 2**63 - 1
-NONCE_BYTES = 32  # the handshake's nonces and proofs (HMAC-SHA256)
 MAX_NAME = 256  # characters of a learner's name
 MAX_SAMPLES = 2**32  # examples behind one gradient
 MAX_TENSORS = 1 << 20  # tensors in a layout

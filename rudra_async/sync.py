@@ -60,6 +60,8 @@ class SyncProtocol:
     """
 
     name = "?"
+    #: False for a protocol whose rounds wait for no learner (async): no hung learner to evict
+    waits_for_members = True
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self.now = now
@@ -171,6 +173,7 @@ class Async(Softsync):
     """Downpour async SGD: every gradient is an update (c = 1)."""
 
     name = "async"
+    waits_for_members = False
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         super().__init__(1, now)

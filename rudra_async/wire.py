@@ -27,6 +27,7 @@ import msgpack
 import numpy as np
 
 from .errors import BadMagic, BadVersion, FrameTooLarge, MalformedFrame, WireError
+from .layout import MAX_TENSOR_DIMS
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -58,7 +59,7 @@ HEADER_SIZE = HEADER.size  # 24
 
 DEFAULT_MAX_META = 1 << 20  # 1 MiB of metadata is far more than any message needs
 DEFAULT_MAX_BODY = 1 << 33  # 8 GiB; 64-bit lengths, so no 2 GB cliff
-MAX_DIMS = 32  # dimensions of a segment (numpy 1.x's limit; numpy 2 allows 64)
+MAX_DIMS = MAX_TENSOR_DIMS  # dimensions of a segment: those of a tensor
 _MAX_ELEMENTS_BYTES = 1 << 62  # a segment's shape, zeros counted as 1, times its item size
 
 #: dtypes allowed in segments (little-endian or byte-sized numeric types).

@@ -32,7 +32,7 @@ from ..kernels import SGD
 from ..layout import Layout, Shard
 from ..logs import rate_limited
 from ..lr import LRPolicy, Schedule
-from ..sync import Async, Decision, Gradient, SyncProtocol
+from ..sync import Decision, Gradient, SyncProtocol
 from ..transports.base import SharedMemory
 from ..wire import Frame, MsgType
 from .groups import ParamGroup, default_groups, parse_groups, steps_for
@@ -42,7 +42,7 @@ from .store import WeightStore
 log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 
 MAX_LOSSES = 1_000_000  # reported training losses kept for the loss curve
-MAX_RUN_SAMPLES = 2**63 - 1  # P saturates here (a checkpoint stores it as a msgpack int)
+MAX_RUN_SAMPLES = schema.INT64_MAX  # P saturates here (a checkpoint stores it as a msgpack int)
 #: an update whose bound on every intermediate value stays below this is applied in place
 #: without a check; float32 overflows at 3.4e38, so rounding cannot reach it
 SAFE_MAGNITUDE = 1e37
@@ -339,7 +339,7 @@ class ServerCore:
         self._departed.append(learner.learner_id)
         while len(self._departed) > self.config.learner_history:
             old = self.learners.pop(self._departed.popleft())
-            self.forgotten.update(learners=1, applied=old.applied, dropped=old.dropped, evictions=old.evictions)
+            self.forgotten.update(learners=1, dropped=old.dropped, evictions=old.evictions)
 
     def active(self, learner: LearnerInfo) -> None:
         """A request of ``learner`` arrived: a slow learner is back; an evicted one rejoins
@@ -367,7 +367,7 @@ class ServerCore:
         pending) for more than ``timeout`` seconds without pushing, so the others go on; it
         rejoins with its next request (its late gradient is then dropped). Not for ``async``,
         which waits for nobody."""
-        if type(self.protocol) is Async:
+        if not self.protocol.waits_for_members:
             return []
         hung = [
             info

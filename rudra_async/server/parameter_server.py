@@ -278,16 +278,14 @@ class ParameterServer:
     # -- connections --------------------------------------------------------------------------
     async def _listen(self, url: str) -> Listener:
         handle = functools.partial(self._handle, url.partition(":")[0])
-        if self.tls is not None and url.startswith("tcp://"):
-            return await transports.listen(
-                url,
-                handle,
-                limits=self.limits,
-                on_accept=self._accept,
-                tls=self.tls,
-                tls_timeout=self.config.handshake_timeout,
-            )
-        return await transports.listen(url, handle, limits=self.limits, on_accept=self._accept)
+        return await transports.listen(
+            url,
+            handle,
+            limits=self.limits,
+            on_accept=self._accept,
+            tls=self.tls if url.startswith("tcp://") else None,  # the other transports have no TLS
+            tls_timeout=self.config.handshake_timeout,
+        )
 
     def _fit_connection_limit(self) -> None:
         """Raise the open-file limit as far as allowed, and keep ``max_connections`` below it,

@@ -64,17 +64,10 @@ class Session:
         self.learner: LearnerInfo | None = None
         self._client_nonce = b""
         self._server_nonce = b""
-        now = time.monotonic()
-        self.accepted_at = now
         #: when the watchdog closes this connection (None: no deadline now), and why
-        self.deadline: float | None = now + server.config.handshake_timeout
+        self.deadline: float | None = time.monotonic() + server.config.handshake_timeout
         self.deadline_code = "handshake_timeout"
         self.said_bye = False
-
-    @property
-    def registered(self) -> bool:
-        """True once the peer authenticated and said hello."""
-        return self.state is State.READY or self.learner is not None
 
     # -- limits, in force from the first byte ----------------------------------------------
     def admit(self, header: Header) -> None:

@@ -44,9 +44,7 @@ class TcpTransport(Transport):
         try:
             return await open_stream(opener, url, timeout)
         except ConnectError as exc:
-            if tls is not None:
-                raise ConnectError(f"{exc} (TLS: is the server using TLS, with a certificate for {host}?)") from None
-            raise
+            raise _with_tls_hint(exc, host, tls) from None
 
     async def listen(
         self,
@@ -82,9 +80,14 @@ class TcpTransport(Transport):
         try:
             return connect_tcp(host, port, url, limits, timeout, tls)
         except ConnectError as exc:
-            if tls is not None:
-                raise ConnectError(f"{exc} (TLS: is the server using TLS, with a certificate for {host}?)") from None
-            raise
+            raise _with_tls_hint(exc, host, tls) from None
+
+
+def _with_tls_hint(exc: ConnectError, host: str, tls: ssl.SSLContext | None) -> ConnectError:
+    """``exc`` itself, or over TLS the same failure with a hint at the usual cause."""
+    if tls is None:
+        return exc
+    return ConnectError(f"{exc} (TLS: is the server using TLS, with a certificate for {host}?)")
 
 
 transport = TcpTransport()
