@@ -25,14 +25,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
-from loopback import free_port  # benchmarks/loopback.py (the script's directory is on sys.path)
+from loopback import free_port, wait_listening  # benchmarks/loopback.py (the script's directory is on sys.path)
 
 from rudra_async.client import connect
 from rudra_async.eventloop import run
@@ -46,15 +45,8 @@ def start_server(port: int, *args: str) -> subprocess.Popen[bytes]:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stderr=subprocess.DEVNULL,  # its final statistics
     )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    wait_listening(port, 30)
+    return proc
 
 
 async def http_get(port: int, path: str) -> bytes:

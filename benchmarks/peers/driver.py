@@ -868,7 +868,7 @@ def keep_earlier(report: dict[str, Any], earlier: dict[str, Any], points: list[t
 def status(rs: list[dict[str, Any]]) -> str:
     r = rs[0]
     if "error" in r:
-        return "ERROR " + " ⏎ ".join(r["error"].strip().splitlines()[::-1][:2][::-1])[:300]
+        return "ERROR " + " ⏎ ".join(r["error"].strip().splitlines()[-2:])[:300]
     figures = "  ".join(
         f"{f}={'/'.join(fmt(x[f]) for x in rs)}"
         for f in ("samples_per_s", "updates_per_s", "latency_ms")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import os
 import time
@@ -57,6 +58,12 @@ class Sample:
     per_learner: dict[int, int] = field(default_factory=dict)  # learner id -> gradients applied
 
 
+@functools.cache
+def _page() -> str:
+    """The status page's HTML, read once from the package."""
+    return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+
+
 class Monitor:
     """Reads ``server`` for metrics and status (see the module docstring). ``interval``:
     seconds between samples; ``history``: samples kept for the page's charts."""
@@ -69,7 +76,6 @@ class Monitor:
         self._sampler: asyncio.Task[None] | None = None
         self._http: HttpServer | None = None
         self._registry: CollectorRegistry | None = None
-        self._process: Any = None
 
     # -- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -86,8 +92,12 @@ class Monitor:
 
         self.registry  # noqa: B018 (fail now, not at the first scrape, without prometheus-client)
         await self.start()
-        self._http = HttpServer(self.route)
-        await self._http.start(*parse_http_address(address))
+        try:
+            self._http = HttpServer(self.route)
+            await self._http.start(*parse_http_address(address))
+        except BaseException:
+            await self.close()  # the sampler too
+            raise
         return self._http.url
 
     @property
@@ -132,7 +142,7 @@ class Monitor:
 
             registry = CollectorRegistry(auto_describe=False)
             registry.register(ServerCollector(self))
-            self._process = ProcessCollector(registry=registry)
+            ProcessCollector(registry=registry)
             self._registry = registry
         return self._registry
 
@@ -156,8 +166,9 @@ class Monitor:
         learners = {}
         for key, info in self._shown(stats["learners"]).items():
             learners[key] = {**info, "rate": rates.get(int(key), 0.0), "blocked": int(key) in blocked}
+        wall = time.time()
         ckpt = dict(stats["checkpoint"])
-        ckpt["age_s"] = time.time() - ckpt["written_at"] if ckpt.get("written_at") else None
+        ckpt["age_s"] = wall - ckpt["written_at"] if ckpt.get("written_at") else None
         history = list(self.history)
         return {
             **stats,
@@ -168,11 +179,11 @@ class Monitor:
                 "pid": os.getpid(),
                 "started_at": self.started_at,
             },
-            "time": time.time(),
-            "uptime_s": time.time() - self.started_at,
+            "time": wall,
+            "uptime_s": wall - self.started_at,
             "clock": ps.clock,
             "updates_per_s": self.updates_per_s(now),
-            "learners_connected": sum(1 for info in ps.core.learners.values() if info.connected),
+            "learners_connected": self._connected(),
             "learners_blocked": len(blocked),
             "learners_total": len(stats["learners"]),
             "learners": learners,
@@ -188,7 +199,7 @@ class Monitor:
 
     def page(self) -> str:
         """The status page (HTML with inline CSS and JavaScript, nothing fetched but status.json)."""
-        return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+        return _page()
 
     def route(self, path: str) -> tuple[int, str, bytes]:
         """(HTTP status, content type, body) for a GET of ``path`` (the built-in HTTP server's table)."""
@@ -210,12 +221,17 @@ class Monitor:
         return max(0, self.server.clock - old.clock) / (now - old.at)
 
     def rss_bytes(self) -> float | None:
-        """The process's resident memory (from prometheus-client's process collector; Linux)."""
-        self.registry  # noqa: B018 (creates the process collector)
-        for family in self._process.collect():
-            if family.name == "process_resident_memory_bytes":
-                return float(family.samples[0].value)
-        return None
+        """The process's resident memory (what prometheus-client's process collector reports;
+        Linux, else None)."""
+        try:
+            with open("/proc/self/statm") as fh:
+                return float(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _connected(self) -> int:
+        """λ: the learners connected now."""
+        return sum(1 for info in self.server.core.learners.values() if info.connected)
 
     def _window_start(self, now: float) -> Sample | None:
         """The oldest sample within the rate window (the newest one if none is)."""
@@ -255,7 +271,7 @@ class Monitor:
             Sample(
                 time.monotonic(),
                 self.server.clock,
-                sum(1 for info in core.learners.values() if info.connected),
+                self._connected(),
                 {i: info.applied for i, info in core.learners.items()},
             )
         )
