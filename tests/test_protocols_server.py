@@ -50,7 +50,7 @@ class TorchLearner:
 
 
 @pytest.mark.parametrize("protocol", ["hardsync", "softsync"])  # softsync with n = 1 is hardsync without a barrier
-async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(protocol):
+async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(protocol, update_thread):
     x, y = data()
     ref = make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -76,11 +76,12 @@ async def test_synchronous_update_equals_torch_sgd_on_the_concatenated_batch(pro
             for w in ws:
                 np.testing.assert_allclose(w.array, ref_flat.host_weights, rtol=1e-5, atol=1e-6)
         assert ps.stats()["staleness_max"] == 0
+        assert update_thread.used() == update_thread.expected
         for learner in learners:
             await learner.client.close()
 
 
-async def test_async_with_one_learner_equals_torch_sgd_on_mu():
+async def test_async_with_one_learner_equals_torch_sgd_on_mu(update_thread):
     x, y = data()
     ref = make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
@@ -95,6 +96,7 @@ async def test_async_with_one_learner_equals_torch_sgd_on_mu():
             nn.functional.cross_entropy(ref(xb), yb).backward()
             opt.step()
             np.testing.assert_allclose(w.array, ref_flat.host_weights, rtol=1e-5, atol=1e-6)
+        assert update_thread.used() == update_thread.expected
         await learner.client.close()
 
 

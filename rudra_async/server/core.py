@@ -37,7 +37,7 @@ from ..transports.base import SharedMemory
 from ..wire import Frame, MsgType
 from .groups import ParamGroup, default_groups, parse_groups, steps_for
 from .stats import StalenessHistogram
-from .store import WeightStore
+from .store import Background, WeightStore
 
 log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 
@@ -72,6 +72,14 @@ class LearnerInfo:
         return self.staleness_sum / self.applied if self.applied else 0.0
 
 
+@dataclass(frozen=True)
+class GradientSize:
+    """max |g| of a pushed gradient, and its L2 norm if a bound on it is configured."""
+
+    max_abs: float
+    norm: float | None = None
+
+
 @dataclass(eq=False)
 class PendingGradient:
     """A pushed gradient from its acceptance until its update; ``frame`` holds its bytes and
@@ -92,9 +100,11 @@ class PendingGradient:
     def settled(self) -> bool:
         return self.outcome != "pending"
 
-    def settle(self, outcome: str, staleness: int | None = None) -> None:
+    def settle(self, outcome: str, staleness: int | None = None, *, release: bool = True) -> None:
+        """Record the outcome; ``release=False`` leaves the frame to whoever still reads it."""
         self.outcome, self.staleness = outcome, staleness
-        self.frame.release()
+        if release:
+            self.frame.release()
 
     def refuse(self, code: str, message: str) -> None:
         self.refusal_code, self.refusal = code, message
@@ -162,7 +172,10 @@ class ServerCore:
         on_change: Callable[[], None] = lambda: None,
         on_update: Callable[[int], None] = lambda clock: None,
         now: Callable[[], float] = time.monotonic,
+        background: Background | None = None,
     ) -> None:
+        """``background``: the thread that validates and applies large gradients (see
+        :mod:`.store`); None: all on the caller's thread."""
         cfg = self.config = config.validate()
         self.kernel = kernels.resolve(cfg.kernel, cfg.kernel_device)
         kernels.preload(self.kernel)
@@ -180,7 +193,6 @@ class ServerCore:
         self.rejected: Counter[str] = Counter()
         self.losses: list[tuple[int, float]] = []  # (clock, training loss) as learners report it
         self.samples = 0
-        self.update_seconds = 0.0  # time spent in the update kernel
         self.first_update_at: float | None = None
         self.last_update_at: float | None = None
         self.resumed_from: int | None = None  # the checkpoint's clock, after a restore
@@ -189,6 +201,7 @@ class ServerCore:
         self._weights_bound = 0.0  # ≥ max |θ| (exact after a check, grows by each update's bound)
         self._momentum_bound = 0.0  # ≥ max |v|
         self._shared_memory = shared_memory
+        self._background = background
         self._on_change, self._on_update, self._now = on_change, on_update, now
         self._next_id = 0
         if initial is not None:
@@ -257,7 +270,7 @@ class ServerCore:
             "evictions": sum(info.evictions for info in self.learners.values()) + self.forgotten["evictions"],
             "learners_forgotten": self.forgotten["learners"],
             "samples": self.samples,
-            "update_seconds": self.update_seconds,
+            "update_seconds": self.store.update_seconds if self.store is not None else 0.0,
             **self.staleness.summary(),
             "learners": {
                 str(i): {
@@ -408,14 +421,13 @@ class ServerCore:
             info.slow = True
         return found
 
-    def push(self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame) -> PendingGradient:
-        """Validate a PUSH and hand its gradient to the protocol. The core keeps the frame
-        until the gradient is applied or dropped (then releases it)."""
+    def check_push(self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame) -> tuple[dict[str, Any], np.ndarray]:
+        """The checks of a PUSH that do not read its gradient; returns its fields and gradient."""
         store = self._need_store()
         fields = schema.check(MsgType.PUSH, meta)
         if fields.get("learner_id", learner.learner_id) != learner.learner_id:
             raise RequestError(f"learner id {fields['learner_id']!r} is not this connection's", code="bad_request")
-        stamp, samples = fields["timestamp"], fields["samples"]
+        stamp = fields["timestamp"]
         if not 0 <= stamp <= store.clock:
             raise RequestError(f"timestamp {stamp} is outside [0, {store.clock}]", code="bad_timestamp")
         if self.stopped:
@@ -428,24 +440,38 @@ class ServerCore:
             )
         if specs[0].dtype not in (np.float32, np.float16):
             raise RequestError(f"gradient dtype must be <f4 or <f2, got {specs[0].dtype.str}", code="bad_dtype")
-        grad = frame.arrays[0]
-        magnitude = max_abs(grad)
-        if not math.isfinite(magnitude):
-            raise RequestError("gradient contains NaN or infinity", code="bad_gradient")
-        bound = self.config.max_grad_norm
-        if bound is not None:
+        return fields, frame.arrays[0]
+
+    def measure(self, grad: np.ndarray) -> GradientSize:
+        """What the push rules need to know of a gradient's values (reads it once or twice;
+        touches no state, so it may run on another thread)."""
+        norm = None
+        if self.config.max_grad_norm is not None:
             with np.errstate(over="ignore"):  # a norm past float32's range is inf: refused
                 norm = float(np.linalg.norm(grad))
-            if not norm <= bound:
-                raise RequestError(
-                    f"gradient norm {norm:.6g} is above the bound {bound:g} (--max-grad-norm)",
-                    code="gradient_too_large",
-                )
+        return GradientSize(max_abs(grad), norm)
+
+    def push(
+        self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame, size: GradientSize | None = None
+    ) -> PendingGradient:
+        """Validate a PUSH and hand its gradient to the protocol. The core keeps the frame
+        until the gradient is applied or dropped (then releases it). ``size``: the gradient's
+        :meth:`measure`, if taken already."""
+        fields, grad = self.check_push(learner, meta, frame)
+        size = size or self.measure(grad)
+        if not math.isfinite(size.max_abs):
+            raise RequestError("gradient contains NaN or infinity", code="bad_gradient")
+        bound = self.config.max_grad_norm
+        if bound is not None and not (size.norm is not None and size.norm <= bound):
+            raise RequestError(
+                f"gradient norm {size.norm:.6g} is above the bound {bound:g} (--max-grad-norm)",
+                code="gradient_too_large",
+            )
         loss = fields.get("loss")
         if loss is not None and math.isfinite(loss) and len(self.losses) < MAX_LOSSES:
-            self.losses.append((store.clock, float(loss)))
-        pending = PendingGradient(learner.learner_id, frame.take(), grad, samples, magnitude)
-        decision = self.protocol.push(Gradient(learner.learner_id, stamp, pending))
+            self.losses.append((self.clock, float(loss)))
+        pending = PendingGradient(learner.learner_id, frame.take(), grad, fields["samples"], size.max_abs)
+        decision = self.protocol.push(Gradient(learner.learner_id, fields["timestamp"], pending))
         pending.wait_applied = decision.wait_applied
         self._decide(decision)
         return pending
@@ -551,6 +577,7 @@ class ServerCore:
             self.kernel,
             shared.allocate if shared else None,
             shared.free if shared else None,
+            self._background,
         )
         self._weights_bound = max_abs(self.store.weights)
         return self.store
@@ -615,23 +642,21 @@ class ServerCore:
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
         worst = SGD(max(g.sgd.lr for g in steps), cfg.momentum, max(g.sgd.weight_decay for g in steps), cfg.nesterov)
         weights_bound, momentum_bound = self._bounds(pendings, scales, worst)  # the largest group's rates bound all
-        t0 = time.perf_counter()
         grads = [p.grad for p in pendings]
+        releases = [p.frame.release for p in pendings]  # once the update has read the gradients
         if max(weights_bound, momentum_bound) <= SAFE_MAGNITUDE:
-            store.apply(grads, scales, steps)
+            store.apply(grads, scales, steps, after=releases)
             self._weights_bound, self._momentum_bound = weights_bound, momentum_bound
-        elif store.apply(grads, scales, steps, check=True):
+        elif store.apply(grads, scales, steps, check=True, after=releases):
             self._weights_bound = max_abs(store.weights)  # exact again after a near miss
             self._momentum_bound = max_abs(store.updater.momentum) if cfg.momentum else self._momentum_bound
         else:
-            self.update_seconds += time.perf_counter() - t0
             message = f"the update at clock {clock} would make weights or momentum overflow; it was not applied"
             log.warning("%s (gradients of learners %s)", message, sorted({p.learner_id for p in pendings}))
             for p in pendings:
                 self.reject("update_not_finite")
                 p.refuse("update_not_finite", message)
             return
-        self.update_seconds += time.perf_counter() - t0
         self.samples = min(self.samples + samples, MAX_RUN_SAMPLES)
         now = self._now()
         self.first_update_at = self.first_update_at or now
@@ -642,7 +667,7 @@ class ServerCore:
             if info is not None:
                 info.applied += 1
                 info.staleness_sum += s
-            p.settle("applied", s)
+            p.settle("applied", s, release=False)
 
     def _bounds(self, pendings: list[PendingGradient], scales: list[float], sgd: SGD) -> tuple[float, float]:
         """Upper bounds of max |θ| and max |v| after this update, and (through them) of every

@@ -29,11 +29,12 @@ from ..config import ServerConfig
 from ..errors import ConfigError, PeerGone, RudraError
 from ..logs import rate_limited
 from ..transports.base import Connection, Listener, SharedMemory
-from ..wire import Limits
+from ..wire import Frame, Limits
 from .checkpointer import Checkpointer
-from .core import ServerCore, learner_extra
+from .core import GradientSize, LearnerInfo, ServerCore, learner_extra
 from .session import Session
 from .stats import Traffic
+from .store import Background, off_loop
 
 if TYPE_CHECKING:
     from ..monitor import Monitor
@@ -74,12 +75,15 @@ class ParameterServer:
         self.limits = Limits(max_body=cfg.max_frame)
         self.max_connections = cfg.max_connections
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_every, self.checkpoint)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._background = Background(self._wake)  # validates and applies large gradients off the loop
         self.core = ServerCore(
             cfg,
             initial=initial,
             shared_memory=shared_memory_of(cfg.listen),
             on_change=self._notify,
             on_update=self.checkpointer.after_update,
+            background=self._background,
         )
         if cfg.resume is not None:
             self.core.restore(checkpoint.load(cfg.resume), cfg.resume)
@@ -118,6 +122,7 @@ class ParameterServer:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Bind every listen address; raises ConnectError at once if one cannot be bound."""
+        self._loop = asyncio.get_running_loop()
         self._closed = asyncio.Event()
         self._initialized = asyncio.Event()
         if self.core.store is not None:
@@ -177,6 +182,7 @@ class ParameterServer:
         finally:
             self._store_closed = True
             self.core.close()
+            self._background.close()
 
     async def __aenter__(self) -> ParameterServer:
         await self.start()
@@ -241,11 +247,48 @@ class ParameterServer:
             raise RudraError("the server has no weights to checkpoint", code="no_weights")
         if not target:
             raise ConfigError("no checkpoint path: pass one or configure --checkpoint")
+        await self.updates_computed()
         with store.lease() as (clock, weights):
             await asyncio.to_thread(checkpoint.save, target, self.core.snapshot(clock, weights))
         self.checkpointer.on_disk(target, clock)
         log.info("checkpoint of update %d written to %s", clock, target)
         return clock
+
+    # -- the update thread --------------------------------------------------------------------
+    async def measure(self, learner: LearnerInfo, frame: Frame) -> GradientSize | None:
+        """Check a PUSH and measure its gradient on the update thread, if it is large (the
+        loop goes on meanwhile); None for a small one, which the core measures inline."""
+        if not off_loop(frame.body.nbytes // 4):
+            return None
+        _, grad = self.core.check_push(learner, frame.meta, frame)
+        size: GradientSize = await asyncio.wrap_future(self._background.submit(self.core.measure, grad))
+        return size
+
+    async def updates_computed(self) -> None:
+        """Return once every decided update is computed (waiting without blocking the loop)."""
+        store = self.core.store
+        job = store.in_flight if store is not None else None
+        if job is not None:
+            # shielded: cancelling this wait must not cancel an update that is still queued
+            await asyncio.shield(asyncio.wrap_future(job))
+
+    def _wake(self) -> None:
+        """Called on the update thread after each update: reap it on the loop (its gradients'
+        buffers go back to their transports)."""
+        loop = self._loop
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(self._reap)
+        except RuntimeError:  # the loop is closed: close() has reaped everything already
+            pass
+
+    def _reap(self) -> None:
+        store = self.core.store
+        if store is not None and not self._store_closed:
+            try:
+                store.reap()
+            except Exception:
+                log.exception("the update failed")
 
     # -- waiting ------------------------------------------------------------------------------
     def _notify(self) -> None:

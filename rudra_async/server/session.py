@@ -218,7 +218,8 @@ class Session:
 
     async def _push(self, frame: Frame) -> None:
         learner = self._learner()
-        pending = self.core.push(learner, frame.meta, frame)  # the core checks the fields and takes the frame
+        size = await self.server.measure(learner, frame)
+        pending = self.core.push(learner, frame.meta, frame, size)  # the core checks the fields and takes the frame
         if pending.wait_applied:
             await self.server.wait_until(lambda: pending.settled, self.conn, learner.learner_id)
         if frame.meta.get("pull") is True:
@@ -252,6 +253,7 @@ class Session:
         await self.server.wait_until(
             lambda: core.pull_ready(learner.learner_id, newer_than), self.conn, learner.learner_id
         )
+        await self.server.updates_computed()
         store = core.store
         assert store is not None, "READY implies weights"
         with store.lease() as (clock, weights):

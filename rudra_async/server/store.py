@@ -4,21 +4,62 @@ Readers (a pull reply being written to a socket) *lease* the current weights buf
 update writes in place when nobody holds a lease, otherwise into a spare buffer that is
 then published, so a reader never sees a half-applied update and no copy is made on the
 common path.
+
+With a :class:`Background` thread, an update of a large model is computed there while the
+caller's thread (the event loop) goes on receiving and sending: :meth:`WeightStore.apply`
+returns once the update is *decided* (the clock has advanced), and every reader of the
+weights or the momentum (``weights``, ``lease``, the next ``apply``) first waits for it to
+be computed (:meth:`WeightStore.finish`), so nobody sees an update half done and updates
+are computed one at a time, in the order they were decided.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 from ..kernels import Steps, Updater, make_updater
 from ..layout import Layout
 
+#: models with fewer values are updated on the caller's thread: a hand-over to the
+#: background thread and back (~50 µs) would cost more than it frees
+BACKGROUND_MIN_VALUES = 1 << 18
+
+
+def off_loop(values: int) -> bool:
+    """Whether work on ``values`` floats goes to the background thread (read at call time, so
+    a test may lower :data:`BACKGROUND_MIN_VALUES`)."""
+    return values >= BACKGROUND_MIN_VALUES
+
+
+class Background:
+    """One worker thread that runs jobs in the order they are submitted: the reads of pushed
+    gradients (their checks) and the updates. ``wake()`` is called from that thread after
+    each update (e.g. ``loop.call_soon_threadsafe`` of something that calls
+    :meth:`WeightStore.reap`)."""
+
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rudra-update")
+        self.wake = wake
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on the thread, after every job submitted before it."""
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        """Wait for the submitted jobs, then stop the thread. Idempotent."""
+        self._pool.shutdown(wait=True)
+
 
 class WeightStore:
-    """``kernel`` names the update backend (see :func:`rudra_async.kernels.resolve`)."""
+    """``kernel`` names the update backend (see :func:`rudra_async.kernels.resolve`);
+    ``background`` the thread that computes updates of a model of at least
+    :data:`BACKGROUND_MIN_VALUES` values (None: every update on the caller's thread)."""
 
     def __init__(
         self,
@@ -27,6 +68,7 @@ class WeightStore:
         kernel: str = "numpy",
         allocate: Callable[[int], np.ndarray] | None = None,
         free: Callable[[np.ndarray], None] | None = None,
+        background: Background | None = None,
     ) -> None:
         """``allocate(nbytes)``/``free(buffer)`` provide the published buffers (e.g. shared
         memory a transport can send without copying); plain memory by default."""
@@ -42,10 +84,20 @@ class WeightStore:
         self.updater: Updater = make_updater(kernel, layout.size)
         self._leases: dict[int, int] = {}  # id(buffer) -> readers
         self._spares: list[np.ndarray] = []
+        self.update_seconds = 0.0  # time spent computing updates
+        self._background = background if background is not None and off_loop(layout.size) else None
+        self._in_flight: Future[None] | None = None  # the update being computed in the background
+        self._after: list[Callable[[], None]] = []  # to call once it is computed
+
+    @property
+    def in_flight(self) -> Future[None] | None:
+        """The update being computed in the background (None: the weights are up to date)."""
+        return self._in_flight
 
     @property
     def weights(self) -> np.ndarray:
         """The published weights (read-only view; valid until the next update)."""
+        self.finish()
         view: np.ndarray = self._current.view()
         view.flags.writeable = False
         return view
@@ -53,6 +105,7 @@ class WeightStore:
     @contextlib.contextmanager
     def lease(self) -> Iterator[tuple[int, np.ndarray]]:
         """Hold the current (clock, weights) unchanged for the duration of the block."""
+        self.finish()
         buf, key = self._current, id(self._current)
         self._leases[key] = self._leases.get(key, 0) + 1
         try:
@@ -64,23 +117,41 @@ class WeightStore:
                 if buf is not self._current:
                     self._spares.append(buf)
 
-    def apply(self, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps, *, check: bool = False) -> bool:
-        """Fold the gradients into the weights and advance the clock.
+    def apply(
+        self,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        steps: Steps,
+        *,
+        check: bool = False,
+        after: Iterable[Callable[[], None]] = (),
+    ) -> bool:
+        """Fold the gradients into the weights and advance the clock. The gradients must stay
+        unchanged until the update is computed; then each of ``after`` is called (at once,
+        or from :meth:`finish` after a background update).
 
-        With ``check``, the new weights are computed into a spare buffer and the momentum is
-        saved first; if any new weight or momentum value is not finite, both stay as they
-        were (the clock still advances) and False is returned."""
+        With ``check``, the new weights are computed (on this thread) into a spare buffer and
+        the momentum is saved first; if any new weight or momentum value is not finite, both
+        stay as they were (the clock still advances) and False is returned."""
+        self.finish()
         src = self._current
         if not check:
             dst = src if id(src) not in self._leases else self._spare()
-            self.updater.apply(src, dst, grads, scales, steps)
             self._current = dst
             self.clock += 1
+            if self._background is None:
+                self._compute(src, dst, grads, scales, steps)
+                _call_all(after)
+            else:
+                background, self._after = self._background, list(after)
+                self._in_flight = background.submit(self._compute, src, dst, grads, scales, steps)
+                self._in_flight.add_done_callback(lambda _: background.wake())
             return True
         saved = self.updater.momentum
         dst = self._spare()
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is what the check is for
-            self.updater.apply(src, dst, grads, scales, steps)
+            self._compute(src, dst, grads, scales, steps)
+        _call_all(after)
         self.clock += 1
         if np.isfinite(dst).all() and np.isfinite(self.updater.momentum).all():
             self._current = dst
@@ -90,6 +161,30 @@ class WeightStore:
         self.updater.load_momentum(saved)
         self._spares.append(dst)
         return False
+
+    def _compute(
+        self, src: np.ndarray, dst: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
+    ) -> None:
+        t0 = time.perf_counter()
+        self.updater.apply(src, dst, grads, scales, steps)
+        self.update_seconds += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """Wait until the background update, if any, is computed, and call its ``after``
+        callbacks (an error of the update is raised here)."""
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return
+        after, self._after = self._after, []
+        try:
+            job.result()
+        finally:
+            _call_all(after)
+
+    def reap(self) -> None:
+        """:meth:`finish` if the background update is computed already (never waits)."""
+        if self._in_flight is not None and self._in_flight.done():
+            self.finish()
 
     def _spare(self) -> np.ndarray:
         return self._spares.pop() if self._spares else self._new_buffer()
@@ -101,7 +196,13 @@ class WeightStore:
 
     def close(self) -> None:
         """Give the buffers back to their allocator (views stay readable). Idempotent."""
+        self.finish()
         if self._free is not None:
             for buf in self._buffers:
                 self._free(buf)
         self._buffers.clear()
+
+
+def _call_all(callbacks: Iterable[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        callback()

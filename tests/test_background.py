@@ -1,0 +1,134 @@
+"""Updates computed on the background thread: readers wait for them, gradients are kept until
+they are read, results equal the event-loop path bit for bit, a cancelled wait loses nothing."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from rudra_async.config import ServerConfig
+from rudra_async.kernels import SGD, Group
+from rudra_async.layout import Layout
+from rudra_async.server import ParameterServer, store
+from rudra_async.server.store import Background, WeightStore
+
+N = 1000
+LAYOUT = Layout.from_shapes([("a", (600,)), ("b", (400,))])
+STEPS = [Group(0, 600, SGD(0.1, 0.9, 0.01, nesterov=True)), Group(600, N, SGD(0.05, 0.9, 0.0))]
+
+
+class GatedBackground(Background):
+    """Jobs wait for ``gate`` before they run; ``woken`` counts the wake calls."""
+
+    def __init__(self):
+        self.woken = 0
+        super().__init__(self._count)
+        self.gate = threading.Event()
+
+    def _count(self):
+        self.woken += 1
+
+    def submit(self, fn, *args):
+        def gated():
+            assert self.gate.wait(10), "the test never opened the gate"
+            return fn(*args)
+
+        return super().submit(gated)
+
+
+@pytest.fixture
+def off_loop(monkeypatch):
+    monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+
+
+def open_gate_later(background, seconds=0.2):
+    timer = threading.Timer(seconds, background.gate.set)
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("reader", ["weights", "lease", "next update"])
+def test_every_reader_waits_for_the_update_and_the_gradient_is_kept_until_it_is_read(off_loop, reader):
+    background = GatedBackground()
+    ws = WeightStore(LAYOUT, np.zeros(N, np.float32), "numpy", background=background)
+    released = []
+    ws.apply([np.ones(N, np.float32)], [1.0], STEPS, after=[lambda: released.append(1)])
+    assert ws.clock == 1 and ws.in_flight is not None and not ws.in_flight.done()
+    ws.reap()  # never waits
+    assert released == [] and ws.in_flight is not None
+    timer = open_gate_later(background)
+    if reader == "weights":
+        seen = ws.weights.copy()
+    elif reader == "lease":
+        with ws.lease() as (clock, held):
+            assert clock == 1
+            seen = held.copy()
+    else:
+        ws.apply([np.zeros(N, np.float32)], [1.0], SGD(0.0), after=[lambda: released.append(2)])
+        seen = ws.weights.copy()
+    timer.join()
+    assert released[0] == 1, "the gradient was released before the update read it"
+    np.testing.assert_allclose(seen[:600], -0.19, rtol=1e-6)  # Nesterov: 0.1 · (1 + 0.9 · 1)
+    np.testing.assert_allclose(seen[600:], -0.05, rtol=1e-6)
+    assert background.woken >= 1 and ws.in_flight is None
+    ws.close()
+    background.close()
+
+
+@pytest.mark.parametrize("kernel", ["numpy", pytest.param("torch", marks=pytest.mark.torch)])
+def test_background_updates_equal_the_inline_ones_bit_for_bit(off_loop, kernel):
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(N).astype(np.float32)
+    background = Background()
+    inline = WeightStore(LAYOUT, w0, kernel)
+    threaded = WeightStore(LAYOUT, w0, kernel, background=background)
+    for step in range(20):
+        grads = [rng.standard_normal(N).astype(np.float32) for _ in range(1 + step % 3)]
+        scales = [1.0 / len(grads)] * len(grads)
+        with threaded.lease() if step % 4 == 0 else _nothing():  # some updates go to a spare buffer
+            threaded.apply(grads, scales, STEPS)
+        inline.apply(grads, scales, STEPS)
+    assert threaded.clock == inline.clock == 20
+    np.testing.assert_array_equal(threaded.weights, inline.weights)
+    np.testing.assert_array_equal(threaded.updater.momentum, inline.updater.momentum)
+    assert threaded.update_seconds > 0
+    threaded.close()
+    background.close()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+async def test_a_cancelled_wait_does_not_cancel_a_queued_update(off_loop):
+    ps = ParameterServer(ServerConfig(listen=["tcp://127.0.0.1:0"]), initial={"w": np.zeros(N, np.float32)})
+    await ps.start()
+    try:
+        blocker = threading.Event()
+        ps._background.submit(blocker.wait, 10)  # the update queues behind this job
+        ws = ps.core.store
+        ws.apply([np.ones(N, np.float32)], [1.0], SGD(0.5))
+        waiter = asyncio.ensure_future(ps.updates_computed())
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await asyncio.sleep(0.05)  # the cancellation has gone as far as it goes
+        blocker.set()
+        np.testing.assert_array_equal(ws.weights, np.full(N, -0.5, np.float32))
+    finally:
+        await ps.close()
+
+
+def test_small_models_stay_on_the_callers_thread():
+    background = GatedBackground()  # a job here would hang until the gate's 10 s timeout
+    ws = WeightStore(LAYOUT, np.zeros(N, np.float32), "numpy", background=background)
+    ws.apply([np.ones(N, np.float32)], [1.0], SGD(0.1))
+    assert ws.in_flight is None and background.woken == 0
+    np.testing.assert_allclose(ws.weights, -0.1)
+    background.close()
