@@ -189,9 +189,13 @@ class Async(Softsync):
 class Hardsync(SyncProtocol):
     """One gradient from every learner of the round, for the current clock; learners wait.
 
-    A round's participants are the learners registered when it began; a learner joining
-    mid-round waits for that round's weights and is counted from the next update. A late
-    gradient (stamp older than the clock) or a second one in a round is dropped and counted.
+    A round's participants are the learners registered when it began, and a learner that
+    joins before any gradient of the round arrived; a learner joining later waits for that
+    round's weights and is counted from the next update. (A newcomer never waits for a round
+    that nobody has started: with sharded servers, a learner waiting on one shard for a round
+    that a peer cannot start — the peer waits on another shard for the newcomer — would
+    deadlock them both.) A late gradient (stamp older than the clock) or a second one in a
+    round is dropped and counted.
     """
 
     name = "hardsync"
@@ -210,7 +214,10 @@ class Hardsync(SyncProtocol):
 
     def join(self, learner: int) -> Decision:
         if self.round is not None:
-            self.joined_at[learner] = self.clock  # wait for the round in progress to finish
+            if self.got:
+                self.joined_at[learner] = self.clock  # wait for the round in progress to finish
+            else:
+                self.round.add(learner)  # no gradient of this round yet: take part in it
         return super().join(learner)
 
     def leave(self, learner: int) -> Decision:

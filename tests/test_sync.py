@@ -88,14 +88,27 @@ def test_hardsync_joiner_is_counted_from_the_next_update():
     assert learners_of(p.push(Gradient(2, 1)).updates) == [[0, 1, 2]]
 
 
-def test_hardsync_joiner_waiting_when_the_whole_round_leaves():
+def test_hardsync_joiner_of_a_round_without_gradients_takes_part_in_it():
     p = members(Hardsync(), 0)
-    p.push(Gradient(0, 0))  # round 0 = {0}: updates at once
+    p.push(Gradient(0, 0))  # round 0 = {0}: updates at once; round 1 = {0} has no gradient yet
     p.join(1)
-    assert p.pull_floor(1) == 1
-    p.leave(0)  # round 1's only participant left without a gradient
-    assert p.pull_floor(1) == -1  # the newcomer is not left waiting
-    assert learners_of(p.push(Gradient(1, 1)).updates) == [[1]]
+    assert p.pull_floor(1) < p.clock  # the newcomer computes on clock 1 at once
+    assert p.push(Gradient(0, 1)).updates == []  # round 1 waits for the newcomer
+    assert learners_of(p.push(Gradient(1, 1)).updates) == [[0, 1]]
+
+
+def test_hardsync_shards_do_not_deadlock_when_learners_join_in_different_orders():
+    """Two shards, two learners pushing to both at once: on shard a, A joined alone and its
+    first gradient made an update before B joined; on shard b both joined first. B must
+    get shard a's weights at once, or A waits on b for B while B waits on a for A."""
+    a, b = members(Hardsync(), "A"), members(Hardsync(), "A", "B")
+    a.push(Gradient("A", 0))
+    a.join("B")
+    b.push(Gradient("A", 0))  # waits for B's
+    assert a.pull_floor("B") < a.clock  # B's first pull on shard a is answered now
+    assert learners_of(b.push(Gradient("B", 0)).updates) == [["A", "B"]]
+    assert a.push(Gradient("A", 1)).updates == []
+    assert learners_of(a.push(Gradient("B", 1)).updates) == [["A", "B"]]
 
 
 def test_hardsync_newcomer_after_everyone_left_starts_at_once():
