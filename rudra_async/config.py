@@ -142,6 +142,13 @@ class ServerConfig:
         choices=("auto", "numpy", "torch", "cupy"),
     )
     kernel_device: str = setting("auto", "Device of the update kernel.", choices=("auto", "cpu", "cuda"))
+    kernel_threads: int = setting(
+        1,
+        "CPU threads of the torch update kernel (torch.set_num_threads in the server's process); 0: torch's "
+        "default. One leaves the other cores to learners: torch's idle worker threads spin on a core after "
+        "every update.",
+        low=0,
+    )
     checkpoint: str | None = setting(
         None,
         "Write weights, momentum and clock here (atomically) when the server "

@@ -152,3 +152,26 @@ def test_parameter_groups_equal_torch_sgd_with_two_param_groups(backend):
         a.grad, b.grad = torch.from_numpy(g[:split].copy()), torch.from_numpy(g[split:].copy())
         opt.step()
         np.testing.assert_allclose(w, np.concatenate([a.detach().numpy(), b.detach().numpy()]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.torch
+def test_a_server_runs_the_torch_kernel_on_the_threads_configured():
+    """torch's idle worker threads spin on a core after each update, which learners on the same
+    host need: a server sets torch's threads to --kernel-threads (default 1; 0 leaves them)."""
+    import torch
+
+    from rudra_async.config import ServerConfig
+    from rudra_async.server.core import ServerCore
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ServerCore(ServerConfig(kernel="torch"))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        ServerCore(ServerConfig(kernel="torch", kernel_threads=0))
+        assert torch.get_num_threads() == 2
+        ServerCore(ServerConfig(kernel="numpy", kernel_threads=1))  # no torch kernel: torch is left alone
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

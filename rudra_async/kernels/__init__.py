@@ -169,10 +169,13 @@ def resolve(kernel: str = "auto", device: str = "auto") -> str:
     return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
 
 
-def preload(name: str) -> None:
+def preload(name: str, threads: int = 0) -> None:
     """Import the named backend now (torch or CuPy take seconds to import): a server does it
-    as it starts, not on its event loop when the first learner says hello."""
-    importlib.import_module(f"{__name__}.{name}_kernel")
+    as it starts, not on its event loop when the first learner says hello. ``threads`` > 0
+    sets the torch backend's CPU threads (process-wide: ``torch.set_num_threads``)."""
+    module = importlib.import_module(f"{__name__}.{name}_kernel")
+    if name == "torch" and threads > 0:
+        module.torch.set_num_threads(threads)
 
 
 def make_updater(name: str, size: int) -> Updater:

@@ -178,7 +178,7 @@ class ServerCore:
         :mod:`.store`); None: all on the caller's thread."""
         cfg = self.config = config.validate()
         self.kernel = kernels.resolve(cfg.kernel, cfg.kernel_device)
-        kernels.preload(self.kernel)
+        kernels.preload(self.kernel, cfg.kernel_threads)
         self.protocol = make_protocol(cfg)
         self.lr_policy = make_lr_policy(cfg)
         self.schedule = Schedule(
