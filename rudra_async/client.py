@@ -1,9 +1,9 @@
 """Framework-agnostic learner client: hello, push and pull numpy arrays.
 
-:class:`Client` is the asyncio API; :class:`SyncClient` wraps it with a private event loop
-for code that is not async (e.g. a PyTorch training loop). Replies are matched to requests
-by a sequence number; an ERROR reply raises :class:`~rudra_async.errors.RemoteError` with
-the server's stable code.
+:class:`Client` is the asyncio API; :class:`SyncClient` runs it on a blocking socket (tcp,
+shm) or a private event loop (other transports) for code that is not async (e.g. a PyTorch
+training loop). Replies are matched to requests by a sequence number; an ERROR reply raises
+:class:`~rudra_async.errors.RemoteError` with the server's stable code.
 """
 
 from __future__ import annotations
@@ -451,10 +451,10 @@ class SyncClient:
     """Blocking form of :class:`Client` (or of :class:`ShardedClient`, when ``url`` lists
     several shards), for code that is not async.
 
-    Over a transport with a blocking connection (``tcp://``), the asyncio client's code runs
-    on a blocking socket with no event loop at all (:func:`~rudra_async.eventloop.run_sync`),
-    so a round trip costs what the asyncio client's does; otherwise it drives the asyncio
-    client on a private event loop (uvloop when available)."""
+    Over a transport with a blocking connection (``tcp://``, ``shm://``), the asyncio client's
+    code runs on a blocking socket with no event loop at all
+    (:func:`~rudra_async.eventloop.run_sync`), so a round trip costs what the asyncio client's
+    does; otherwise it drives the asyncio client on a private event loop (uvloop when available)."""
 
     def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
         self._loop: PrivateLoop | None = None

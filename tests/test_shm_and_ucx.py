@@ -51,7 +51,7 @@ async def test_large_bodies_are_read_in_place_and_segments_reused():
         assert isinstance(frame.body.obj, __import__("mmap").mmap)  # a view of shared memory, not a copy
         frame.release()
         await asyncio.sleep(0.01)  # let the RELEASE notice arrive
-    assert len(conn._out) == 1  # one segment, allocated once and reused
+    assert len(conn._out.segments) == 1  # one segment, allocated once and reused
     small = np.ones(16, np.float32)
     await conn.send(MsgType.PUSH, {}, [small])
     assert (await got.get()).body.obj is not None  # small bodies go inline
@@ -158,7 +158,7 @@ async def test_exported_memory_is_sent_by_reference_and_held_until_released():
     frame = await asyncio.wait_for(frames.get(), 5)
     await asyncio.sleep(0.05)
     assert not sending.done()  # held: the reader has not released yet
-    assert conn._out == {}  # no staging segment: nothing was copied
+    assert conn._out.segments == {}  # no staging segment: nothing was copied
     assert np.all(frame.arrays[0] == 7.0)
     frame.release()
     await asyncio.wait_for(sending, 5)

@@ -1,6 +1,7 @@
-"""The blocking client: the asyncio client's code on a blocking socket (tcp) or on a private
-event loop (other transports), with the same results and the same errors."""
+"""The blocking client: the asyncio client's code on a blocking socket (tcp, shm) or on a
+private event loop (other transports), with the same results and the same errors."""
 
+import os
 import socket
 import threading
 
@@ -22,7 +23,7 @@ def test_both_paths_train_alike(scheme):
         server_thread(listen=[listen], lr=0.1, momentum=0.0, kernel="numpy") as ps,
         SyncClient(ps.addresses[0], layout, initial_weights(layout)) as client,
     ):
-        assert isinstance(client._client.conn, BlockingConnection) == (scheme == "tcp")
+        assert isinstance(client._client.conn, BlockingConnection)  # no event loop in the learner
         w = client.pull()
         for _ in range(3):
             w = client.push_pull(grad, w.timestamp)
@@ -31,9 +32,45 @@ def test_both_paths_train_alike(scheme):
         np.testing.assert_allclose(client.pull().array, initial_weights(layout) - 0.4 * grad, rtol=1e-6)
 
 
-def test_a_lost_server_and_a_closed_client_raise_the_transport_errors():
+def test_blocking_shm_moves_large_bodies_through_shared_memory_and_leaves_nothing():
+    """Gradient and weights larger than what goes inline: the gradient through the client's
+    own segment (reused), the weights read from the server's; both sides' results exact."""
+    from rudra_async.layout import Layout
+    from rudra_async.transports import shm
+
+    n = 100_000  # 400 kB each way, far above shm.INLINE
+    layout = Layout.from_shapes([("w", (n,))])
+    start = np.linspace(-1, 1, n, dtype=np.float32)
+    grad = np.linspace(0, 1, n, dtype=np.float32)
+    before = set(os.listdir("/dev/shm"))
+    with server_thread(listen=["shm://"], lr=0.5, momentum=0.0, kernel="numpy") as ps:
+        with SyncClient(ps.addresses[0], layout, start) as client:
+            conn = client._client.conn
+            assert isinstance(conn, shm.BlockingShmConnection)
+            w = client.pull()
+            expected = start.copy()
+            for _ in range(5):
+                w = client.push_pull(grad, w.timestamp)
+                expected -= np.float32(0.5) * grad
+                np.testing.assert_array_equal(w.array, expected)  # this learner's own update, in its buffer
+            assert len(conn._out.segments) == 1  # the gradient's segment, allocated once
+        np.testing.assert_array_equal(ps.weights()["w"], expected)
+    assert set(os.listdir("/dev/shm")) <= before  # every segment unlinked
+
+
+def test_blocking_shm_refuses_tls_and_a_name_nobody_serves():
+    from rudra_async.errors import ConfigError
+
+    with pytest.raises(ConnectError, match=r"cannot connect to shm://nobody-here"):
+        SyncClient("shm://nobody-here", small_layout())
+    with pytest.raises(ConfigError, match="TLS is for tcp"):
+        SyncClient("shm://x", small_layout(), tls=__import__("ssl").create_default_context())
+
+
+@pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "shm://"])
+def test_a_lost_server_and_a_closed_client_raise_the_transport_errors(listen):
     layout = small_layout()
-    with server_thread(lr=0.1, kernel="numpy") as ps:
+    with server_thread(listen=[listen], lr=0.1, kernel="numpy") as ps:
         client = SyncClient(ps.addresses[0], layout, initial_weights(layout))
         client.pull()
     with pytest.raises(PeerGone):  # the server closed every connection

@@ -21,11 +21,13 @@ from __future__ import annotations
 import _posixshmem
 import asyncio
 import atexit
+import collections
 import itertools
 import mmap
 import os
 import secrets
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -33,9 +35,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, FrameTooLarge, MalformedFrame, WireError
+from ..errors import ConfigError, ConnectError, FrameTooLarge, MalformedFrame, PeerGone, WireError
 from ..wire import Frame, Header, Limits, encode_frame, parse_segments, spec_of
 from .base import OnAccept, OnConnection, SharedMemory, Transport
+from .blocking import BlockingConnection
 from .stream import OnMade, StreamConnection, StreamListener, open_stream, start_listener
 
 INLINE = 16 * 1024  # bodies up to this size go through the socket
@@ -144,13 +147,109 @@ class _Attached:
             pass  # a frame still holds a view; the mapping goes when it does
 
 
+def resolve_reference(
+    frame: Frame,
+    limits: Limits,
+    admit: Callable[[Header], None],
+    attached: dict[str, _Attached],
+    release: Callable[[str, int], None],
+) -> Frame | WireError:
+    """A frame carrying a body reference, with its body in place in the sender's segment
+    (mapped once into ``attached``; ``release(name, offset)`` is called when the frame is
+    released); a frame carrying a non-fatal error for a bad reference; FrameTooLarge
+    (fatal) beyond the limits or what ``admit`` allows."""
+    ref = frame.meta[_REF]
+    meta = {k: v for k, v in frame.meta.items() if k != _REF}
+    try:
+        name, nbytes, specs, *rest = ref
+        offset = rest[0] if rest else 0
+        if isinstance(nbytes, int) and nbytes > limits.max_body:
+            return FrameTooLarge(f"body of {nbytes} bytes exceeds the limit of {limits.max_body}")
+        if isinstance(nbytes, int) and nbytes >= 0:
+            try:  # the body's size passes the same check as a body sent inline, before any mapping
+                admit(Header(frame.msg_type, 0, 0, nbytes))
+            except WireError as exc:
+                return exc
+        if not (
+            isinstance(name, str) and isinstance(nbytes, int) and nbytes > 0 and isinstance(offset, int) and offset >= 0
+        ):
+            raise MalformedFrame(f"bad shared-memory reference {ref!r}")
+        meta["seg"] = specs
+        parsed = parse_segments(meta, nbytes)
+        shm = attached.get(name)
+        if shm is None:
+            if len(attached) >= MAX_ATTACHED:
+                attached.pop(next(iter(attached))).close()
+            shm = attached[name] = _Attached(name)
+        if shm.size < offset + nbytes:
+            raise MalformedFrame(f"segment {name} is smaller than the {offset + nbytes} bytes referenced")
+    except (MalformedFrame, ValueError, TypeError, OSError) as exc:
+        err = exc if isinstance(exc, MalformedFrame) else MalformedFrame(f"bad shared-memory reference: {exc}")
+        err.fatal = False
+        return Frame(frame.msg_type, meta, memoryview(b""), [], err)
+    return Frame(frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, lambda: release(name, offset))
+
+
+def _shared_body(arrays: Sequence[np.ndarray], limits: Limits) -> tuple[int, list[Any]] | None:
+    """(size, segment list) of a body that travels in shared memory, None for one small enough
+    to go inline; FrameTooLarge beyond the limits (before anything is copied or sent)."""
+    body = sum(a.nbytes for a in arrays)
+    if body <= INLINE:
+        return None
+    if body > limits.max_body:
+        raise FrameTooLarge(f"body of {body} bytes exceeds the limit of {limits.max_body}")
+    return body, [spec_of(a).to_wire() for a in arrays]  # validates dtypes before any copy
+
+
+class _Outgoing:
+    """The segments one sender writes its bodies into: reused, the smallest free one that
+    fits first, a new one (replacing free ones too small) while fewer than
+    :data:`MAX_SEGMENTS` are busy. A segment is busy from its send until the peer's RELEASE."""
+
+    def __init__(self) -> None:
+        self.segments: dict[str, _Segment] = {}
+
+    def take(self, arrays: Sequence[np.ndarray], nbytes: int) -> _Segment | None:
+        """A segment holding a copy of ``arrays`` (``nbytes`` in all), now busy; None while
+        every segment allowed is busy (wait for a RELEASE, then ask again)."""
+        free = [s for s in self.segments.values() if not s.busy and s.size >= nbytes]
+        if free:
+            seg = min(free, key=lambda s: s.size)
+        elif sum(s.busy for s in self.segments.values()) < MAX_SEGMENTS:
+            for name in [n for n, s in self.segments.items() if not s.busy]:  # too small: replace
+                self.segments.pop(name).destroy()
+            seg = _Segment(max(nbytes, 1 << 20))
+            self.segments[seg.shm.name] = seg
+        else:
+            return None
+        offset = 0
+        for a in arrays:
+            if a.nbytes:
+                seg.array[offset : offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                offset += a.nbytes
+        seg.busy = True
+        return seg
+
+    def released(self, name: str) -> bool:
+        """The peer is done with segment ``name``; True if it is one of these."""
+        seg = self.segments.get(name)
+        if seg is not None:
+            seg.busy = False
+        return seg is not None
+
+    def destroy(self) -> None:
+        for seg in self.segments.values():
+            seg.destroy()
+        self.segments.clear()
+
+
 class ShmConnection(StreamConnection):
     """A stream connection over a Unix socket whose large bodies travel in shared memory:
     a body reference is resolved as it arrives, and RELEASE notices never reach the inbox."""
 
     def __init__(self, limits: Limits, *, peer: str, on_made: OnMade | None = None) -> None:
         super().__init__(limits, peer=peer, on_made=on_made)
-        self._out: dict[str, _Segment] = {}
+        self._out = _Outgoing()
         self._in: dict[str, _Attached] = {}
         self._freed = asyncio.Event()
         self._lent: dict[tuple[str, int], asyncio.Future[None]] = {}  # exported bodies out
@@ -166,110 +265,58 @@ class ShmConnection(StreamConnection):
 
     def _released(self, frame: Frame) -> None:
         name = str(frame.meta.get("name"))
-        seg = self._out.get(name)
-        if seg is not None:
-            seg.busy = False
+        if self._out.released(name):
             self._freed.set()
         waiter = self._lent.pop((name, frame.meta.get("offset", 0)), None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     def _resolve(self, frame: Frame) -> Frame | WireError:
-        """The frame with its body in place in the sender's segment; a frame carrying a
-        non-fatal error for a bad reference; FrameTooLarge (fatal) beyond the limits."""
-        ref = frame.meta[_REF]
-        meta = {k: v for k, v in frame.meta.items() if k != _REF}
-        try:
-            name, nbytes, specs, *rest = ref
-            offset = rest[0] if rest else 0
-            if isinstance(nbytes, int) and nbytes > self.limits.max_body:
-                return FrameTooLarge(f"body of {nbytes} bytes exceeds the limit of {self.limits.max_body}")
-            if isinstance(nbytes, int) and nbytes >= 0:
-                try:  # the body's size passes the same check as a body sent inline, before any mapping
-                    self._admit(Header(frame.msg_type, 0, 0, nbytes))
-                except WireError as exc:
-                    return exc
-            if not (
-                isinstance(name, str)
-                and isinstance(nbytes, int)
-                and nbytes > 0
-                and isinstance(offset, int)
-                and offset >= 0
-            ):
-                raise MalformedFrame(f"bad shared-memory reference {ref!r}")
-            meta["seg"] = specs
-            parsed = parse_segments(meta, nbytes)
-            shm = self._in.get(name)
-            if shm is None:
-                if len(self._in) >= MAX_ATTACHED:
-                    self._in.pop(next(iter(self._in))).close()
-                shm = self._in[name] = _Attached(name)
-            if shm.size < offset + nbytes:
-                raise MalformedFrame(f"segment {name} is smaller than the {offset + nbytes} bytes referenced")
-        except (MalformedFrame, ValueError, TypeError, OSError) as exc:
-            err = exc if isinstance(exc, MalformedFrame) else MalformedFrame(f"bad shared-memory reference: {exc}")
-            err.fatal = False
-            return Frame(frame.msg_type, meta, memoryview(b""), [], err)
-        body = shm.buf[offset : offset + nbytes]
-        self.bytes_in += nbytes  # the body came through shared memory
-        return Frame(frame.msg_type, meta, body, parsed, None, lambda: self._release(name, offset))
+        resolved = resolve_reference(frame, self.limits, self._admit, self._in, self._release)
+        if isinstance(resolved, Frame) and resolved.error is None:
+            self.bytes_in += resolved.body.nbytes  # the body came through shared memory
+        return resolved
 
     def _release(self, name: str, offset: int) -> None:
         if not self.is_closed and self._transport is not None:
             self._transport.writelines(encode_frame(RELEASE, {"name": name, "offset": offset}))
 
     # -- sending ---------------------------------------------------------------------------
-    async def _segment_for(self, nbytes: int) -> _Segment:
+    async def _segment_for(self, arrays: Sequence[np.ndarray], nbytes: int) -> _Segment:
         while True:
-            free = [s for s in self._out.values() if not s.busy and s.size >= nbytes]
-            if free:
-                return min(free, key=lambda s: s.size)
-            busy = sum(s.busy for s in self._out.values())
-            if busy < MAX_SEGMENTS:
-                for name in [n for n, s in self._out.items() if not s.busy]:  # too small: replace
-                    self._out.pop(name).destroy()
-                seg = _Segment(max(nbytes, 1 << 20))
-                self._out[seg.shm.name] = seg
+            seg = self._out.take(arrays, nbytes)
+            if seg is not None:
                 return seg
             self._freed.clear()
-            await self._until_lost(self._freed.wait())
+            await self._freed.wait()  # set by a RELEASE, or when the connection ends
             self._check_open()
 
-    async def _until_lost(self, aw: Awaitable[Any]) -> None:
-        """Wait for ``aw`` or for the connection to end, whichever comes first."""
-        lost = asyncio.ensure_future(self.wait_lost())
-        other = asyncio.ensure_future(aw)
-        try:
-            await asyncio.wait({lost, other}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lost.cancel()
-            other.cancel()
+    def _end(self) -> None:
+        """Closed or lost: no RELEASE will come, so wake every sender waiting for one."""
+        super()._end()
+        self._freed.set()
+        for waiter in self._lent.values():
+            if not waiter.done():
+                waiter.set_result(None)
+        self._lent.clear()
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        body = sum(a.nbytes for a in arrays)
-        if body <= INLINE:
+        self._check_open()
+        shared = _shared_body(arrays, self.limits)
+        if shared is None:
             await super().send(msg_type, meta, arrays)
             return
-        self._check_open()
-        if body > self.limits.max_body:
-            raise FrameTooLarge(f"body of {body} bytes exceeds the limit of {self.limits.max_body}")
-        specs = [spec_of(a).to_wire() for a in arrays]  # validates dtypes before any copy
+        body, specs = shared
         where = exported.locate(arrays[0]) if len(arrays) == 1 and arrays[0].flags.c_contiguous else None
         if where is not None:  # exported memory: send a reference, hold until the peer is done
             name, offset = where
             waiter = self._lent[where] = asyncio.get_running_loop().create_future()
             await super().send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
             self.bytes_out += body  # the body goes through shared memory
-            await self._until_lost(waiter)
+            await waiter  # the RELEASE, or the end of the connection
             self._check_open()
             return
-        seg = await self._segment_for(body)
-        offset = 0
-        for a in arrays:
-            if a.nbytes:
-                seg.array[offset : offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-                offset += a.nbytes
-        seg.busy = True
+        seg = await self._segment_for(arrays, body)
         try:
             await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs]})
         except FrameTooLarge:  # the metadata: nothing went out, the segment stays free
@@ -279,9 +326,71 @@ class ShmConnection(StreamConnection):
 
     def _close_link(self) -> None:
         super()._close_link()
-        for seg in self._out.values():
-            seg.destroy()
-        self._out.clear()
+        self._out.destroy()
+        for shm in self._in.values():
+            shm.close()
+        self._in.clear()
+
+
+class BlockingShmConnection(BlockingConnection):
+    """The blocking form of :class:`ShmConnection`, for a learner without an event loop: the
+    same bytes over a blocking Unix socket, large bodies through the same shared-memory
+    segments. RELEASE notices are read (and acted on) as they arrive between replies."""
+
+    def __init__(self, sock: socket.socket, limits: Limits, peer: str) -> None:
+        super().__init__(sock, limits, peer)
+        self._out = _Outgoing()
+        self._in: dict[str, _Attached] = {}
+        self._held: collections.deque[Frame] = collections.deque()  # read while waiting for a RELEASE
+
+    async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
+        self._check_open()
+        shared = _shared_body(arrays, self.limits)
+        if shared is None:
+            await super().send(msg_type, meta, arrays)
+            return
+        body, specs = shared
+        seg = self._out.take(arrays, body)
+        while seg is None:  # every segment is still being read: take frames until one comes back
+            self._held.append(await self._next())
+            seg = self._out.take(arrays, body)
+        try:
+            await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs]})
+        except FrameTooLarge:  # the metadata: nothing went out, the segment stays free
+            seg.busy = False
+            raise
+
+    async def recv(self) -> Frame:
+        return self._held.popleft() if self._held else await self._next()
+
+    async def _next(self) -> Frame:
+        """The next frame but RELEASE notices (handled here), its body resolved in place."""
+        while True:
+            frame = await super().recv()
+            if frame.msg_type == RELEASE:
+                self._out.released(str(frame.meta.get("name")))
+                continue
+            if _REF not in frame.meta:
+                return frame
+            resolved = resolve_reference(frame, self.limits, lambda header: None, self._in, self._release)
+            if isinstance(resolved, WireError):
+                self._lost = PeerGone(f"the server sent a frame beyond the limits: {resolved}")
+                raise resolved
+            return resolved
+
+    def _release(self, name: str, offset: int) -> None:
+        if not self.is_closed:
+            try:
+                self._sock.sendall(b"".join(encode_frame(RELEASE, {"name": name, "offset": offset})))
+            except OSError:
+                pass  # the connection is gone: nobody waits for the segment any more
+
+    def close(self) -> None:
+        if not self._closed:
+            while self._held:
+                self._held.popleft().release()
+        super().close()
+        self._out.destroy()
         for shm in self._in.values():
             shm.close()
         self._in.clear()
@@ -292,6 +401,26 @@ class ShmTransport(Transport):
 
     def shared_memory(self) -> SharedMemory:
         return exported
+
+    def connect_blocking(
+        self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0, tls: ssl.SSLContext | None = None
+    ) -> BlockingShmConnection:
+        """A blocking connection to ``shm://NAME`` (same host); ConnectError at once if nobody
+        listens there, or after ``timeout``."""
+        if tls is not None:
+            raise ConfigError(f"TLS is for tcp:// addresses; {url} cannot use it")
+        name = _name(url)
+        if not name:
+            raise ConfigError(f"{url!r} names no server; expected shm://NAME")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(_socket_path(name))
+        except OSError as exc:
+            sock.close()
+            raise ConnectError(f"cannot connect to {url}: {exc.strerror or exc}") from None
+        sock.settimeout(None)
+        return BlockingShmConnection(sock, limits, url)
 
     async def listen(
         self, url: str, on_connection: OnConnection, *, limits: Limits = Limits(), on_accept: OnAccept | None = None
