@@ -492,11 +492,7 @@ class SyncClient:
     def _connect(self) -> Client | ShardedClient:
         url, layout, initial, kwargs = self._connect_args
         limits, timeout, tls = kwargs.get("limits", Limits()), kwargs.get("timeout", 10.0), kwargs.get("tls")
-        channel = (
-            None
-            if "," in url
-            else transports.transport_for(url).connect_blocking(url, limits=limits, timeout=timeout, tls=tls)
-        )
+        channel = None if "," in url else transports.connect_blocking(url, limits=limits, timeout=timeout, tls=tls)
         if channel is None:
             self._loop = self._loop or PrivateLoop()
             self._run = self._loop.run

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..registry import load_entry_point
 from ..wire import Limits
 from .base import Connection, Listener, OnAccept, OnConnection, SharedMemory, Transport
+from .blocking import BlockingConnection
 
 BUILTIN = {
     "tcp": "rudra_async.transports.tcp",
@@ -25,7 +26,17 @@ BUILTIN = {
 }
 ENTRY_POINT_GROUP = "rudra_async.transports"
 
-__all__ = ["Connection", "Listener", "SharedMemory", "Transport", "connect", "known_schemes", "listen", "transport_for"]
+__all__ = [
+    "Connection",
+    "Listener",
+    "SharedMemory",
+    "Transport",
+    "connect",
+    "connect_blocking",
+    "known_schemes",
+    "listen",
+    "transport_for",
+]
 
 
 def known_schemes() -> list[str]:
@@ -65,6 +76,16 @@ async def connect(
     """Connect to ``url`` (with ``tls``, an ``ssl.SSLContext``, over TLS: tcp only)."""
     transport = transport_for(url)
     return await transport.connect(url, limits=limits, timeout=timeout, **_tls_options(transport, url, tls, timeout))
+
+
+def connect_blocking(
+    url: str, *, limits: Limits = Limits(), timeout: float = 10.0, tls: ssl.SSLContext | None = None
+) -> BlockingConnection | None:
+    """A blocking connection to ``url`` (see :meth:`~.base.Transport.connect_blocking`), or
+    None when its transport has none; ``tls`` as for :func:`connect` (tcp only)."""
+    transport = transport_for(url)
+    options = _tls_options(transport, url, tls, timeout)
+    return transport.connect_blocking(url, limits=limits, timeout=timeout, tls=options.get("tls"))
 
 
 async def listen(

@@ -103,6 +103,14 @@ def _name(url: str) -> str:
     return name
 
 
+def _server_name(url: str) -> str:
+    """The server's name in a ``shm://NAME`` URL a learner connects to."""
+    name = _name(url)
+    if not name:
+        raise ConfigError(f"{url!r} names no server; expected shm://NAME")
+    return name
+
+
 class _Segment:
     def __init__(self, size: int) -> None:
         # The tracker process that unlinks this process's segments if it is killed must run
@@ -405,13 +413,9 @@ class ShmTransport(Transport):
     def connect_blocking(
         self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0, tls: ssl.SSLContext | None = None
     ) -> BlockingShmConnection:
-        """A blocking connection to ``shm://NAME`` (same host); ConnectError at once if nobody
-        listens there, or after ``timeout``."""
-        if tls is not None:
-            raise ConfigError(f"TLS is for tcp:// addresses; {url} cannot use it")
-        name = _name(url)
-        if not name:
-            raise ConfigError(f"{url!r} names no server; expected shm://NAME")
+        """A blocking connection to ``shm://NAME`` (same host; ``tls`` is never given: shm has
+        none); ConnectError at once if nobody listens there, or after ``timeout``."""
+        name = _server_name(url)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
@@ -447,9 +451,7 @@ class ShmTransport(Transport):
         return listener
 
     async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> ShmConnection:
-        name = _name(url)
-        if not name:
-            raise ConfigError(f"{url!r} names no server; expected shm://NAME")
+        name = _server_name(url)
         loop = asyncio.get_running_loop()
 
         async def open_socket() -> tuple[asyncio.BaseTransport, ShmConnection]:
