@@ -132,3 +132,87 @@ def test_small_models_stay_on_the_callers_thread():
     assert ws.in_flight is None and background.woken == 0
     np.testing.assert_allclose(ws.weights, -0.1)
     background.close()
+
+
+async def test_a_reader_waits_on_the_loop_for_updates_decided_while_it_waited(off_loop):
+    """The pull's path: ``updates_computed`` then a lease with no await between. An update
+    decided while the reader waited must be waited for too, or the lease would block the
+    event loop on the update thread (measured: ~40% of a loaded server's loop time, before)."""
+    ps = ParameterServer(ServerConfig(listen=["tcp://127.0.0.1:0"]), initial={"w": np.zeros(N, np.float32)})
+    await ps.start()
+    try:
+        first, second = threading.Event(), threading.Event()
+        ws = ps.core.store
+        ps._background.submit(first.wait, 10)  # update 1 queues behind this job
+        ws.apply([np.ones(N, np.float32)], [1.0], SGD(0.5))
+        waiter = asyncio.ensure_future(ps.updates_computed())
+        await asyncio.sleep(0.02)
+        timer = threading.Timer(0.05, first.set)
+        timer.start()
+        ps._background.submit(second.wait, 10)  # update 2 will queue behind this one
+        ws.apply([np.ones(N, np.float32)], [1.0], SGD(0.5))  # decided as soon as update 1 is computed
+        timer.join()
+        await asyncio.sleep(0.05)  # the waiter has seen update 1 computed
+        assert not waiter.done(), "the reader must also wait for the update decided while it waited"
+        second.set()
+        await asyncio.wait_for(waiter, 5)
+        assert ws.in_flight is None or ws.in_flight.done()  # so a lease now returns at once
+        with ws.lease() as (clock, weights):
+            assert clock == 2
+            np.testing.assert_array_equal(weights, np.full(N, -1.0, np.float32))
+    finally:
+        await ps.close()
+
+
+async def test_a_push_that_arrives_during_an_update_does_not_block_the_event_loop(off_loop):
+    """Two pushes measured back to back: the first one's update is computed (slowly, here)
+    when the second is decided; the loop must go on serving meanwhile, not wait in the store."""
+    from rudra_async.client import Client
+
+    hold = threading.Event()
+    ps = ParameterServer(ServerConfig(listen=["tcp://127.0.0.1:0"]), initial={"w": np.zeros(N, np.float32)})
+    await ps.start()
+    updater = ps.core.store.updater
+    slow_apply = updater.apply
+
+    def held_apply(*args):
+        assert hold.wait(10)
+        slow_apply(*args)
+
+    updater.apply = held_apply
+    blocker = threading.Event()
+    gaps, ticking = [], True
+
+    async def tick():
+        last = asyncio.get_running_loop().time()
+        while ticking:
+            await asyncio.sleep(0.01)
+            now = asyncio.get_running_loop().time()
+            gaps.append(now - last)
+            last = now
+
+    layout = Layout.from_shapes([("w", (N,))])
+    a, b = await Client.connect(ps.addresses[0], layout), await Client.connect(ps.addresses[0], layout)
+    ticker = asyncio.ensure_future(tick())
+    try:
+        ps._background.submit(blocker.wait, 10)  # both measures queue behind this job
+        g = np.ones(N, np.float32)
+        pushes = [asyncio.ensure_future(c.push(g, 0)) for c in (a, b)]
+        await asyncio.sleep(0.1)
+        blocker.set()  # measure 1, measure 2, update 1 (held) ... then update 2 is decided
+        await asyncio.sleep(0.1)
+        gaps.clear()
+        await asyncio.sleep(0.6)  # update 1 is held all this time
+        assert gaps and max(gaps) < 0.3, f"the event loop stalled for {max(gaps, default=0):.2f} s"
+        hold.set()
+        acks = await asyncio.wait_for(asyncio.gather(*pushes), 10)
+        assert sorted(ack.status for ack in acks) == ["applied", "applied"]
+        assert ps.clock == 2
+    finally:
+        hold.set()
+        blocker.set()
+        ticking = False
+        await ticker
+        await a.close()
+        await b.close()
+        await ps.close()

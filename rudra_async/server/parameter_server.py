@@ -265,10 +265,13 @@ class ParameterServer:
         return size
 
     async def updates_computed(self) -> None:
-        """Return once every decided update is computed (waiting without blocking the loop)."""
+        """Return once every decided update is computed (waiting without blocking the loop).
+
+        An update decided while this waited is waited for too, so a caller that reads the
+        weights right after this returns (no ``await`` in between) never blocks the loop on
+        the update thread."""
         store = self.core.store
-        job = store.in_flight if store is not None else None
-        if job is not None:
+        while store is not None and (job := store.in_flight) is not None and not job.done():
             # shielded: cancelling this wait must not cancel an update that is still queued
             await asyncio.shield(asyncio.wrap_future(job))
 

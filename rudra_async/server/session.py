@@ -219,6 +219,7 @@ class Session:
     async def _push(self, frame: Frame) -> None:
         learner = self._learner()
         size = await self.server.measure(learner, frame)
+        await self.server.updates_computed()  # so deciding an update never waits on the loop for the last one
         pending = self.core.push(learner, frame.meta, frame, size)  # the core checks the fields and takes the frame
         if pending.wait_applied:
             await self.server.wait_until(lambda: pending.settled, self.conn, learner.learner_id)
