@@ -164,22 +164,29 @@ async def test_a_reader_waits_on_the_loop_for_updates_decided_while_it_waited(of
         await ps.close()
 
 
-async def test_a_push_that_arrives_during_an_update_does_not_block_the_event_loop(off_loop):
-    """Two pushes measured back to back: the first one's update is computed (slowly, here)
-    when the second is decided; the loop must go on serving meanwhile, not wait in the store."""
+@pytest.mark.parametrize("arrival", ["together", "during the update"])
+async def test_a_push_that_arrives_during_an_update_is_checked_and_never_blocks_the_event_loop(off_loop, arrival):
+    """The first push's update is computed (slowly, here) while the second push is checked
+    and waits to be decided; the loop must go on serving meanwhile, not wait in the store.
+    ``together``: both gradients were checked before the first update started;
+    ``during the update``: the second arrives once the first update is running."""
     from rudra_async.client import Client
 
-    hold = threading.Event()
+    hold, running = threading.Event(), threading.Event()
     ps = ParameterServer(ServerConfig(listen=["tcp://127.0.0.1:0"]), initial={"w": np.zeros(N, np.float32)})
     await ps.start()
     updater = ps.core.store.updater
     slow_apply = updater.apply
 
     def held_apply(*args):
+        running.set()
         assert hold.wait(10)
         slow_apply(*args)
 
     updater.apply = held_apply
+    measured = []
+    measure = ps.core.measure
+    ps.core.measure = lambda grad: measured.append(1) or measure(grad)
     blocker = threading.Event()
     gaps, ticking = [], True
 
@@ -194,16 +201,22 @@ async def test_a_push_that_arrives_during_an_update_does_not_block_the_event_loo
     layout = Layout.from_shapes([("w", (N,))])
     a, b = await Client.connect(ps.addresses[0], layout), await Client.connect(ps.addresses[0], layout)
     ticker = asyncio.ensure_future(tick())
+    g = np.ones(N, np.float32)
     try:
-        ps._background.submit(blocker.wait, 10)  # both measures queue behind this job
-        g = np.ones(N, np.float32)
-        pushes = [asyncio.ensure_future(c.push(g, 0)) for c in (a, b)]
-        await asyncio.sleep(0.1)
-        blocker.set()  # measure 1, measure 2, update 1 (held) ... then update 2 is decided
+        if arrival == "together":
+            ps._background.check(blocker.wait, 10)  # both checks queue behind this job
+            pushes = [asyncio.ensure_future(c.push(g, 0)) for c in (a, b)]
+            await asyncio.sleep(0.1)
+            blocker.set()  # check 1, check 2, update 1 (held) ... then update 2 is decided
+        else:
+            pushes = [asyncio.ensure_future(a.push(g, 0))]
+            assert await asyncio.to_thread(running.wait, 5), "update 1 never started"
+            pushes.append(asyncio.ensure_future(b.push(g, 0)))
         await asyncio.sleep(0.1)
         gaps.clear()
         await asyncio.sleep(0.6)  # update 1 is held all this time
         assert gaps and max(gaps) < 0.3, f"the event loop stalled for {max(gaps, default=0):.2f} s"
+        assert len(measured) == 2, "the second gradient is checked while the first update is computed"
         hold.set()
         acks = await asyncio.wait_for(asyncio.gather(*pushes), 10)
         assert sorted(ack.status for ack in acks) == ["applied", "applied"]

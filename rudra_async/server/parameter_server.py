@@ -256,12 +256,13 @@ class ParameterServer:
 
     # -- the update thread --------------------------------------------------------------------
     async def measure(self, learner: LearnerInfo, frame: Frame) -> GradientSize | None:
-        """Check a PUSH and measure its gradient on the update thread, if it is large (the
-        loop goes on meanwhile); None for a small one, which the core measures inline."""
+        """Check a PUSH and measure its gradient on the check thread, if it is large (the loop
+        and the update in flight go on meanwhile); None for a small one, which the core
+        measures inline."""
         if not off_loop(frame.body.nbytes // 4):
             return None
         _, grad = self.core.check_push(learner, frame.meta, frame)
-        size: GradientSize = await asyncio.wrap_future(self._background.submit(self.core.measure, grad))
+        size: GradientSize = await asyncio.wrap_future(self._background.check(self.core.measure, grad))
         return size
 
     async def updates_computed(self) -> None:

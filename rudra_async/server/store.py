@@ -5,8 +5,8 @@ update writes in place when nobody holds a lease, otherwise into a spare buffer 
 then published, so a reader never sees a half-applied update and no copy is made on the
 common path.
 
-With a :class:`Background` thread, an update of a large model is computed there while the
-caller's thread (the event loop) goes on receiving and sending: :meth:`WeightStore.apply`
+With a :class:`Background`, an update of a large model is computed on its update thread
+while the caller's thread (the event loop) goes on receiving and sending: :meth:`WeightStore.apply`
 returns once the update is *decided* (the clock has advanced), and every reader of the
 weights or the momentum (``weights``, ``lease``, the next ``apply``) first waits for it to
 be computed (:meth:`WeightStore.finish`), so nobody sees an update half done and updates
@@ -38,21 +38,28 @@ def off_loop(values: int) -> bool:
 
 
 class Background:
-    """One worker thread that runs jobs in the order they are submitted: the reads of pushed
-    gradients (their checks) and the updates. ``wake()`` is called from that thread after
-    each update (e.g. ``loop.call_soon_threadsafe`` of something that calls
-    :meth:`WeightStore.reap`)."""
+    """Two worker threads: one runs the updates in the order they are submitted
+    (:meth:`submit`), the other the reads of pushed gradients (their checks, :meth:`check`),
+    so the next gradient is checked while an update is computed. ``wake()`` is called from
+    the update thread after each update (e.g. ``loop.call_soon_threadsafe`` of something that
+    calls :meth:`WeightStore.reap`)."""
 
     def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rudra-update")
+        self._checks = ThreadPoolExecutor(1, thread_name_prefix="rudra-check")
         self.wake = wake
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run ``fn(*args)`` on the thread, after every job submitted before it."""
+        """Run ``fn(*args)`` on the update thread, after every job submitted before it."""
         return self._pool.submit(fn, *args)
 
+    def check(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)``, which reads only its arguments, on the check thread (in order)."""
+        return self._checks.submit(fn, *args)
+
     def close(self) -> None:
-        """Wait for the submitted jobs, then stop the thread. Idempotent."""
+        """Wait for the submitted jobs, then stop the threads. Idempotent."""
+        self._checks.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
 
