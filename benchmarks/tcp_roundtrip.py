@@ -20,6 +20,7 @@ import asyncio
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -101,26 +102,39 @@ def _serve_rudra(size: int, port_q, stats_pipe, shard: Shard = Shard()) -> None:
         cfg = ServerConfig(listen=["tcp://127.0.0.1:0"], lr=1e-6, momentum=0.9, shard=shard)
         async with ParameterServer(cfg, initial={"w": np.zeros(size, np.float32)}) as ps:
             port_q.put((shard.index, ps.addresses[0]))
-            while not stats_pipe.poll():
-                await asyncio.sleep(0.05)
-            stats_pipe.send(ps.stats())
+            while True:  # answer "mark" (after the warm-up) and "stats" (the end) with the statistics
+                if not stats_pipe.poll():
+                    await asyncio.sleep(0.005)
+                    continue
+                request = stats_pipe.recv()
+                stats_pipe.send(ps.stats(loss_curve=False))
+                if request == "stats":
+                    break
 
     uvloop.run(main())
 
 
 async def rudra_round_trips(
-    url: str, size: int, reps: int, initial: np.ndarray | None = None, **options: Any
+    url: str,
+    size: int,
+    reps: int,
+    initial: np.ndarray | None = None,
+    after_warmup: Callable[[], None] = lambda: None,
+    **options: Any,
 ) -> list[float]:
-    """Seconds per push+pull of ``size`` floats (the first, which warms the buffers, left out);
-    ``initial`` and ``options`` go to :func:`rudra_async.client.connect`."""
+    """Seconds per push+pull of ``size`` floats (the first, which warms the buffers, left out;
+    ``after_warmup()`` is called after it); ``initial`` and ``options`` go to
+    :func:`rudra_async.client.connect`."""
     client = await connect(url, Layout.from_shapes([("w", (size,))]), initial, **options)
     grad = np.full(size, 1e-3, np.float32)
     w = await client.pull()
     times = []
-    for _ in range(reps + 1):
+    for i in range(reps + 1):
         t = time.perf_counter()
         w = await client.push_pull(grad, w.timestamp)
         times.append(time.perf_counter() - t)
+        if i == 0:
+            after_warmup()
     await client.close()
     return times[1:]
 
@@ -143,7 +157,9 @@ def measure(size: int, reps: int) -> dict:
 
 
 def rudra_group(ctx, size: int, reps: int, shards: int) -> tuple[list[float], float]:
-    """Round-trip times against ``shards`` server processes, and the slowest shard's update time."""
+    """Round-trip times against ``shards`` server processes, and the slowest shard's update
+    time per round trip over the timed ones (the warm-up's first update, which touches the
+    momentum's pages for the first time, left out)."""
     port_q = ctx.Queue()
     pipes, procs = [], []
     for i in range(shards):
@@ -153,12 +169,19 @@ def rudra_group(ctx, size: int, reps: int, shards: int) -> tuple[list[float], fl
         pipes.append(here)
         procs.append(proc)
     by_shard = dict(port_q.get(timeout=30) for _ in range(shards))
-    times = uvloop.run(rudra_round_trips(",".join(by_shard[i] for i in range(shards)), size, reps))
+    marks = []
+
+    def mark() -> None:
+        for here in pipes:
+            here.send("mark")
+            marks.append(here.recv())
+
+    times = uvloop.run(rudra_round_trips(",".join(by_shard[i] for i in range(shards)), size, reps, after_warmup=mark))
     updates = []
-    for here, proc in zip(pipes, procs):
+    for here, proc, before in zip(pipes, procs, marks):
         here.send("stats")
-        stats = here.recv()
-        updates.append(stats["update_seconds"] / stats["updates"])
+        after = here.recv()
+        updates.append((after["update_seconds"] - before["update_seconds"]) / (after["updates"] - before["updates"]))
         proc.kill()
     return times, max(updates)
 
