@@ -104,7 +104,7 @@ def _serve_rudra(size: int, port_q, stats_pipe, shard: Shard = Shard()) -> None:
             port_q.put((shard.index, ps.addresses[0]))
             while True:  # answer "mark" (after the warm-up) and "stats" (the end) with the statistics
                 if not stats_pipe.poll():
-                    await asyncio.sleep(0.005)
+                    await asyncio.sleep(0.05)
                     continue
                 request = stats_pipe.recv()
                 stats_pipe.send(ps.stats(loss_curve=False))

@@ -219,7 +219,8 @@ class Session:
     async def _push(self, frame: Frame) -> None:
         learner = self._learner()
         size = await self.server.measure(learner, frame)
-        await self.server.updates_computed()  # so deciding an update never waits on the loop for the last one
+        if size is not None:  # a large model: an update may be in flight; deciding one must not wait for it on the loop
+            await self.server.updates_computed()
         pending = self.core.push(learner, frame.meta, frame, size)  # the core checks the fields and takes the frame
         if pending.wait_applied:
             await self.server.wait_until(lambda: pending.settled, self.conn, learner.learner_id)

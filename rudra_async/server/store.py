@@ -5,12 +5,12 @@ update writes in place when nobody holds a lease, otherwise into a spare buffer 
 then published, so a reader never sees a half-applied update and no copy is made on the
 common path.
 
-With a :class:`Background`, an update of a large model is computed on its update thread
-while the caller's thread (the event loop) goes on receiving and sending: :meth:`WeightStore.apply`
-returns once the update is *decided* (the clock has advanced), and every reader of the
-weights or the momentum (``weights``, ``lease``, the next ``apply``) first waits for it to
-be computed (:meth:`WeightStore.finish`), so nobody sees an update half done and updates
-are computed one at a time, in the order they were decided.
+With a :class:`Background`, an update of a large model is computed on its update
+thread while the caller's thread (the event loop) goes on receiving and sending:
+:meth:`WeightStore.apply` returns once the update is *decided* (the clock has advanced),
+and every reader of the weights or the momentum (``weights``, ``lease``, the next
+``apply``) first waits for it to be computed (:meth:`WeightStore.finish`), so nobody sees
+an update half done and updates are computed one at a time, in the order they were decided.
 """
 
 from __future__ import annotations
