@@ -7,6 +7,9 @@ the error on both sides.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 __all__ = [
     "BadMagic",
     "BadVersion",
@@ -48,10 +51,13 @@ class ConfigError(RudraError):
 
 
 class WireError(RudraError):
-    """A frame violates the wire format. ``fatal`` means the byte stream lost sync."""
+    """A frame violates the wire format. ``fatal`` means the byte stream lost sync.
+    ``finished``: frames a :class:`~rudra_async.wire.FrameReader` completed from the same
+    bytes before the error (deliver them first)."""
 
     code = "malformed"
     fatal = True
+    finished: Sequence[Any] = ()
 
 
 class BadMagic(WireError):

@@ -305,9 +305,11 @@ class FrameReader:
     """Incremental frame parser shaped for ``asyncio.BufferedProtocol``.
 
     Call :meth:`get_buffer` to learn where the next bytes go, write at most that many
-    there, and report the count with :meth:`advance`, which returns the frames finished.
-    Reads are exact (header, then metadata, then body), so the body lands directly in its
-    final buffer. A fatal :class:`WireError` from ``advance`` means the stream is lost.
+    there, and report the count with :meth:`advance`, which returns the frames finished
+    (possibly several). Small parts (a header, metadata, a body or its rest under
+    :attr:`STAGE` bytes) are read through one staging buffer and copied out, so a small
+    frame, or several, costs one read; the bulk of a large body is read straight into its
+    final buffer (no copy). A fatal :class:`WireError` from ``advance`` means the stream is lost.
 
     With ``messages=True`` (for message-based transports, see :func:`encode_messages`)
     :meth:`get_buffer` is exactly the next message: the header, the metadata, then each
@@ -317,6 +319,8 @@ class FrameReader:
 
     _SKIP_CHUNK = 1 << 16
     _META_CHUNK = 1 << 12  # metadata buffers start this small and grow as the bytes arrive
+    #: bytes of the staging buffer; a part with at least this much left is read in place
+    STAGE = 1 << 16
 
     def __init__(
         self,
@@ -332,6 +336,8 @@ class FrameReader:
         self.messages = messages
         self._head = bytearray(HEADER_SIZE)
         self.pool = BufferPool()
+        self._stage = memoryview(bytearray(self.STAGE))
+        self._staged = False  # whether the buffer get_buffer handed out last is the stage
         self._begin_header()
 
     # -- state -------------------------------------------------------------------------
@@ -353,13 +359,36 @@ class FrameReader:
         return not (self._state == "header" and self._pos == 0)
 
     def get_buffer(self) -> memoryview:
-        """Where the next bytes go (never empty): the rest of the current part, or in
-        messages mode of the current message."""
+        """Where the next bytes go (never empty): the staging buffer, the rest of a large
+        body in place, or in messages mode exactly the current message."""
         if self._ends:
             return self._buf[self._pos : self._ends[bisect.bisect_right(self._ends, self._pos)]]
-        return self._buf[self._pos :]
+        if self.messages or len(self._buf) - self._pos >= self.STAGE:
+            self._staged = False
+            return self._buf[self._pos :]
+        self._staged = True
+        return self._stage
 
     def advance(self, n: int) -> list[Frame]:
+        """Report ``n`` bytes written into the last :meth:`get_buffer`; the frames they finish."""
+        if not self._staged:
+            return self._advance_part(n)
+        self._staged = False
+        frames: list[Frame] = []
+        data, done = self._stage, 0
+        while done < n:  # copy the staged bytes part by part, as if each had been read in place
+            room = self._buf[self._pos :]
+            k = min(len(room), n - done)
+            room[:k] = data[done : done + k]
+            done += k
+            try:
+                frames += self._advance_part(k)
+            except WireError as exc:
+                exc.finished = frames
+                raise
+        return frames
+
+    def _advance_part(self, n: int) -> list[Frame]:
         self._pos += n
         frames: list[Frame] = []
         while self._pos == len(self._buf):

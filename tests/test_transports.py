@@ -29,3 +29,47 @@ class UnboundedTransport(MemoryTransport):
 async def test_conformance_fails_on_a_transport_that_buffers_without_bound():
     with pytest.raises(AssertionError, match=r"send accepted 256 MiB .* never waited.*back-pressure"):
         await check_transport("memory://", transport=UnboundedTransport(), large=(1 << 20,))
+
+
+async def test_a_frame_and_garbage_in_one_read_deliver_the_frame_then_the_error():
+    """Over a real socket, both ends: a frame followed by bytes that are not framing, sent
+    together, is received as that frame, then a fatal error, then PeerGone."""
+    import asyncio
+    import socket
+
+    from rudra_async import errors, transports
+    from rudra_async.transports.blocking import BlockingConnection
+    from rudra_async.wire import HEADER_SIZE, Limits, MsgType, encode_frame
+
+    data = b"".join(bytes(p) for p in encode_frame(MsgType.PULL, {"newer_than": 7})) + b"XXXX" + bytes(HEADER_SIZE)
+    got: list = []
+    done = asyncio.Event()
+
+    async def handler(conn):
+        got.append((await conn.recv()).meta["newer_than"])
+        with pytest.raises(errors.BadMagic):
+            await conn.recv()
+        done.set()
+
+    listener = await transports.listen("tcp://127.0.0.1:0", handler)
+    try:
+        port = int(listener.address.rpartition(":")[2])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(data)
+            await asyncio.wait_for(done.wait(), 10)
+        assert got == [7]
+    finally:
+        await listener.close()
+
+    here, there = socket.socketpair()
+    conn = BlockingConnection(here, Limits(), "pair")
+    try:
+        there.sendall(data)
+        assert (await conn.recv()).meta["newer_than"] == 7
+        with pytest.raises(errors.BadMagic):
+            await conn.recv()
+        with pytest.raises(errors.PeerGone):
+            await conn.recv()
+    finally:
+        conn.close()
+        there.close()

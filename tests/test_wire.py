@@ -205,3 +205,39 @@ def test_bad_metadata_before_a_body_is_fatal_in_messages_mode():
     no_body = header(meta_len=1) + meta_bytes  # nothing to tell apart: reported, not fatal
     (frame,) = receive_messages(FrameReader(messages=True), [no_body[:HEADER_SIZE], no_body[HEADER_SIZE:]])
     assert frame.error is not None and not frame.error.fatal
+
+
+def test_small_frames_cost_one_read_and_a_large_body_is_read_in_place():
+    """Several small frames arriving together are parsed from one read; the bulk of a large
+    body goes straight into the allocator's buffer, not through the staging buffer."""
+    small = [joined(encode_frame(MsgType.PULL, {"newer_than": i})) for i in range(3)]
+    reader = FrameReader()
+    buf = reader.get_buffer()
+    data = b"".join(small)
+    assert len(buf) >= len(data)
+    buf[: len(data)] = data
+    assert [f.meta["newer_than"] for f in reader.advance(len(data))] == [0, 1, 2]
+
+    big = np.arange(FrameReader.STAGE, dtype=np.float32)  # 4 × STAGE bytes
+    target = bytearray(big.nbytes)
+    reader = FrameReader(allocate=lambda t, m, n: memoryview(target))
+    raw = joined(encode_frame(MsgType.PUSH, {"timestamp": 0}, [big]))
+    first = reader.get_buffer()
+    head = raw[: len(first)]  # the header, metadata and the body's first bytes arrive together
+    first[: len(head)] = head
+    assert reader.advance(len(head)) == []
+    rest = reader.get_buffer()
+    assert np.shares_memory(np.frombuffer(rest, np.uint8), np.frombuffer(target, np.uint8))
+    (frame,) = feed(reader, raw[len(head) :], [1 << 20])
+    assert np.array_equal(frame.arrays[0], big)
+
+
+def test_frames_before_a_fatal_error_in_the_same_read_are_delivered_first():
+    good = joined(encode_frame(MsgType.PULL, {"newer_than": 7}))
+    reader = FrameReader()
+    buf = reader.get_buffer()
+    data = good + b"XXXX" + bytes(HEADER_SIZE)  # a frame, then a header with a bad magic
+    buf[: len(data)] = data
+    with pytest.raises(errors.BadMagic) as info:
+        reader.advance(len(data))
+    assert [f.meta["newer_than"] for f in info.value.finished] == [7]

@@ -214,6 +214,9 @@ class Connection(abc.ABC):
         try:
             frames = reader.advance(nbytes)
         except WireError as exc:
+            finished, exc.finished = exc.finished, ()
+            for frame in finished:
+                self._deliver(frame)
             self._deliver(exc)
             return
         for frame in frames:

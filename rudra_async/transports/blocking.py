@@ -35,6 +35,7 @@ class BlockingConnection:
         self._frames: list[Frame] = []
         self._closed = False
         self._lost: BaseException | None = None
+        self._broken: WireError | None = None  # a framing error to raise once the frames before it are taken
 
     @property
     def allocator(self) -> Allocator | None:
@@ -69,6 +70,9 @@ class BlockingConnection:
     async def recv(self) -> Frame:
         """The next frame. Raises PeerGone, ConnectionClosed or a fatal WireError."""
         while not self._frames:
+            if self._broken is not None:  # after the frames that came before it, once
+                broken, self._broken = self._broken, None
+                raise broken
             self._check_open()
             buf = self._reader.get_buffer()
             try:
@@ -82,9 +86,13 @@ class BlockingConnection:
                                  else "connection closed by peer")  # fmt: skip
             try:
                 self._frames += self._reader.advance(n)
-            except WireError:
+            except WireError as exc:
+                self._frames += exc.finished
+                exc.finished = ()
                 self._lost = PeerGone("the byte stream lost its framing")
-                raise
+                if not self._frames:
+                    raise
+                self._broken = exc
         return self._frames.pop(0)
 
     def settimeout(self, seconds: float | None) -> None:

@@ -1,7 +1,8 @@
 """Frames over an asyncio byte stream (TCP or a Unix socket) with ``BufferedProtocol``.
 
-Incoming bytes go straight into the :class:`~rudra_async.wire.FrameReader`'s buffers (no
-intermediate copy); outgoing frames go out with ``writelines`` over views of the caller's
+Incoming bytes go into the :class:`~rudra_async.wire.FrameReader`'s buffers (small frames
+through its staging buffer, one read for one or several; a large body straight into its
+final buffer, no copy); outgoing frames go out with ``writelines`` over views of the caller's
 arrays. The write-buffer high-water mark is 0, so ``send`` knows exactly when the OS has
 taken every byte and the arrays may change again.
 """
