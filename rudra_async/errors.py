@@ -59,6 +59,11 @@ class WireError(RudraError):
     fatal = True
     finished: Sequence[Any] = ()
 
+    def take_finished(self) -> Sequence[Any]:
+        """:attr:`finished`, handed over once (the error, which may be kept, holds no frames after)."""
+        finished, self.finished = self.finished, ()
+        return finished
+
 
 class BadMagic(WireError):
     code = "bad_magic"

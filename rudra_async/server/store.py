@@ -28,9 +28,9 @@ from ..layout import Layout
 
 #: models with fewer values are updated on the caller's thread: the hand-overs to the check
 #: and update threads and back (four cross-thread wake-ups, 0.3–1 ms on a shared VM) cost
-#: more than the overlap frees. Measured (``benchmarks/handover.py``, the peer driver): at 580K values (the CNN of
-#: benchmarks/peers) a step's push+pull is 0.3–1 ms shorter inline; at 1M values 4 learners
-#: without compute get 10–40% more updates/s inline; at 4M values both are equal.
+#: more than the overlap frees. Measured with ``benchmarks/handover.py`` and the peer
+#: driver: at 580K values (its CNN) a step's push+pull is 0.3–1 ms shorter inline; at 1M
+#: values 4 learners without compute get 10–40% more updates/s inline; at 4M, about equal.
 BACKGROUND_MIN_VALUES = 1 << 21
 
 

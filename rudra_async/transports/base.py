@@ -214,8 +214,7 @@ class Connection(abc.ABC):
         try:
             frames = reader.advance(nbytes)
         except WireError as exc:
-            finished, exc.finished = exc.finished, ()
-            for frame in finished:
+            for frame in exc.take_finished():
                 self._deliver(frame)
             self._deliver(exc)
             return

@@ -87,8 +87,7 @@ class BlockingConnection:
             try:
                 self._frames += self._reader.advance(n)
             except WireError as exc:
-                self._frames += exc.finished
-                exc.finished = ()
+                self._frames += exc.take_finished()
                 self._lost = PeerGone("the byte stream lost its framing")
                 if not self._frames:
                     raise
