@@ -12,6 +12,7 @@ from helpers import CLI_ARGS, reap, run_cli, run_server, subprocess_env
 
 from rudra_async import transports
 from rudra_async.client import Client
+from rudra_async.eventloop import run_sync
 from rudra_async.layout import Layout
 from rudra_async.transports import shm
 from rudra_async.wire import MsgType
@@ -57,6 +58,79 @@ async def test_large_bodies_are_read_in_place_and_segments_reused():
     assert (await got.get()).body.obj is not None  # small bodies go inline
     conn.close()
     await listener.close()
+
+
+async def test_a_released_body_returns_its_segment_without_a_message():
+    got, conns = asyncio.Queue(), []
+
+    async def keep(conn):
+        conns.append(conn)
+        await collector(got)(conn)
+
+    listener = await transports.listen("shm://", keep)
+    conn = await transports.connect(listener.address)
+    grad = np.ones(1 << 18, np.float32)  # 1 MiB
+    for step in range(4):
+        grad[:] = step
+        await conn.send(MsgType.PUSH, {}, [grad])
+        frame = await asyncio.wait_for(got.get(), 10)
+        assert (frame.arrays[0] == step).all()
+        frame.release()  # stores the ticket in the segment: the sender sees it free at once
+    assert len(conn._out.segments) == 1  # reused every time, though no notice ever came
+    assert conns[0].bytes_out == 0 and conn.bytes_in == 0  # not one RELEASE notice crossed the socket
+    conn.close()
+    await listener.close()
+
+
+def test_a_late_notice_for_an_earlier_body_does_not_free_a_reused_segment():
+    out = shm._Outgoing()
+    try:
+        body = np.ones(1 << 18, np.float32)
+        seg, first = out.take([body], body.nbytes)
+        seg.control[0] = first  # the receiver released the first body ...
+        again, second = out.take([body], body.nbytes)
+        assert again is seg and second == first + 1  # ... so the segment carries the second
+        out.released(seg.shm.name, first)  # a notice for the first body, arriving late
+        assert not seg.free  # must not free the second body's segment while it is read
+        out.released(seg.shm.name, second)
+        assert seg.free
+    finally:
+        out.destroy()
+
+
+async def test_a_blocking_sender_waits_for_a_segment_and_is_woken_by_the_notice():
+    frames, conns = [], []
+
+    async def keep(conn):
+        conns.append(conn)
+        await collector(frames)(conn)
+
+    listener = await transports.listen("shm://", keep)
+    conn = shm.transport.connect_blocking(listener.address)
+    big = np.ones(1 << 18, np.float32)
+
+    def send(i: int) -> None:
+        big[:] = i
+        run_sync(conn.send(MsgType.PUSH, {"i": i}, [big]))
+
+    for i in range(shm.MAX_SEGMENTS):
+        send(i)
+    blocked = asyncio.get_running_loop().run_in_executor(None, send, 99)
+    try:
+        await asyncio.sleep(0.2)
+        assert not blocked.done()  # every segment is held by the receiver
+        assert [f.arrays[0][0] for f in frames] == list(range(shm.MAX_SEGMENTS))  # none overwritten
+        assert conns[0].bytes_out == 0
+        frames[1].release()  # the sender asked for notices: this one wakes it
+        assert conns[0].bytes_out > 0  # the RELEASE notice
+        await asyncio.wait_for(asyncio.shield(blocked), 5)
+        await asyncio.sleep(0.05)
+        assert frames[-1].arrays[0][0] == 99 and [f.arrays[0][0] for f in frames[2:4]] == [2, 3]
+        assert not any(seg.control[1] for seg in conn._out.segments.values())  # it stopped asking
+    finally:
+        await listener.close()  # a sender still waiting sees the peer gone and returns
+        await asyncio.gather(blocked, return_exceptions=True)
+        conn.close()
 
 
 async def test_held_bodies_make_the_sender_use_another_segment_then_wait():

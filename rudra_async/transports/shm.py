@@ -5,10 +5,21 @@ socket file is left behind). A frame whose body is larger than ``INLINE`` bytes 
 by the sender into one of *its* shared-memory segments — allocated once and reused — and
 only a reference (segment name, length, segment list) crosses the socket. The receiver
 maps the segment once and reads the body in place: ``Frame.body`` is a view of shared
-memory, so a gradient is never copied on the server side. When the receiver releases the
-frame, a RELEASE notice returns the segment to the sender; a sender with ``MAX_SEGMENTS``
+memory, so a gradient is never copied on the server side. A sender with ``MAX_SEGMENTS``
 bodies outstanding waits (back-pressure). A segment is never written while the receiver
 may read it, so no reader ever sees a half-written body.
+
+Returning a segment costs no message: every sender segment ends in a control block of two
+64-bit words, the *released ticket* and the *sender waits* flag. Each body sent in the
+segment gets the next ticket (carried in its reference); the receiver that releases the
+frame stores that ticket in the control block, and the sender sees the segment free the
+next time it looks. Only a sender that found every segment busy sets the flag; a receiver
+that sees it after storing the ticket also sends a RELEASE notice (name, offset, ticket)
+over the socket, which wakes the sender. The two sides' store-then-load are not fenced, so
+a waiting sender looks at the tickets again every ``RECHECK_S`` seconds as well: a missed
+notice costs that long, never a hang. Memory sent by reference from :data:`exported`
+(the server's published weights) has no ticket: its release is always a RELEASE notice,
+since the sender holds the memory until then.
 
 Cleanup: every segment is owned (created and unlinked) by its sender; the receiver's
 attach is unregistered from its resource tracker. If the owner is killed, Python's
@@ -26,6 +37,7 @@ import itertools
 import mmap
 import os
 import secrets
+import select
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +57,9 @@ INLINE = 16 * 1024  # bodies up to this size go through the socket
 MAX_SEGMENTS = 4  # bodies one side may have outstanding before send waits
 MAX_ATTACHED = 4 * MAX_SEGMENTS  # peer segments kept mapped; the oldest mapping goes beyond
 RELEASE = 250  # internal message type: "I am done with your segment"
+#: bytes at the end of a segment: [released ticket, sender waits] as int64, 8-byte aligned
+CONTROL = 16
+RECHECK_S = 0.002  # a sender waiting for a segment looks at the tickets again this often
 _REF = "~shm"  # metadata key of a body reference
 _counter = itertools.count()
 
@@ -112,18 +127,36 @@ def _server_name(url: str) -> str:
 
 
 class _Segment:
+    """``size`` bytes of shared memory this process owns, followed by its control block."""
+
     def __init__(self, size: int) -> None:
         # The tracker process that unlinks this process's segments if it is killed must run
         # before the segment exists: started lazily by the registration, a kill during its
         # start-up (tens of ms) would leave the new segment in /dev/shm for good.
         resource_tracker.ensure_running()
-        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        at = -(-size // 8) * 8
+        self.shm = shared_memory.SharedMemory(create=True, size=at + CONTROL)
         self.size = size
         self.busy = False
+        self.ticket = 0  # of the last body sent in this segment
         self.array = np.ndarray((size,), np.uint8, buffer=self.shm.buf)
+        self.control = np.ndarray((2,), np.int64, buffer=self.shm.buf, offset=at)
+
+    @property
+    def free(self) -> bool:
+        """Not busy: never sent, or its last body was released (by ticket or by notice)."""
+        if self.busy and self.ticket and int(self.control[0]) == self.ticket:
+            self.busy = False
+        return not self.busy
+
+    def lend(self) -> int:
+        """Mark busy for one more body and return that body's ticket."""
+        self.busy = True
+        self.ticket += 1
+        return self.ticket
 
     def destroy(self) -> None:
-        del self.array  # views the segment's buffer: must go before close
+        del self.array, self.control  # view the segment's buffer: must go before close
         try:
             self.shm.close()
         except BufferError:
@@ -146,8 +179,21 @@ class _Attached:
         finally:
             os.close(fd)
         self.buf = memoryview(self._mmap)
+        self._control: np.ndarray | None = None
+        self._closed = False
+
+    def mark_released(self, ticket: int) -> bool:
+        """Store ``ticket`` as released in the owner's control block; True if the owner
+        waits for a segment (or the block is gone), so a RELEASE notice must follow."""
+        if self._control is None:
+            if self._closed or self.size < CONTROL or self.size % 8:
+                return True
+            self._control = np.frombuffer(self.buf, np.int64, 2, self.size - CONTROL)
+        self._control[0] = ticket
+        return bool(self._control[1])
 
     def close(self) -> None:
+        self._closed, self._control = True, None  # a view of the mapping: must go before it closes
         self.buf.release()
         try:
             self._mmap.close()
@@ -160,17 +206,20 @@ def resolve_reference(
     limits: Limits,
     admit: Callable[[Header], None],
     attached: dict[str, _Attached],
-    release: Callable[[str, int], None],
+    release: Callable[[str, int, int | None], None],
 ) -> Frame | WireError:
     """A frame carrying a body reference, with its body in place in the sender's segment
-    (mapped once into ``attached``; ``release(name, offset)`` is called when the frame is
-    released); a frame carrying a non-fatal error for a bad reference; FrameTooLarge
-    (fatal) beyond the limits or what ``admit`` allows."""
+    (mapped once into ``attached``; ``release(name, offset, ticket)`` is called when the
+    frame is released, ``ticket`` None for a reference without one); a frame carrying a
+    non-fatal error for a bad reference; FrameTooLarge (fatal) beyond the limits or what
+    ``admit`` allows. A reference is ``[name, nbytes, specs]``, optionally followed by the
+    offset in the segment (default 0) and the body's ticket."""
     ref = frame.meta[_REF]
     meta = {k: v for k, v in frame.meta.items() if k != _REF}
     try:
         name, nbytes, specs, *rest = ref
         offset = rest[0] if rest else 0
+        ticket = rest[1] if len(rest) > 1 else None
         if isinstance(nbytes, int) and nbytes > limits.max_body:
             return FrameTooLarge(f"body of {nbytes} bytes exceeds the limit of {limits.max_body}")
         if isinstance(nbytes, int) and nbytes >= 0:
@@ -179,7 +228,12 @@ def resolve_reference(
             except WireError as exc:
                 return exc
         if not (
-            isinstance(name, str) and isinstance(nbytes, int) and nbytes > 0 and isinstance(offset, int) and offset >= 0
+            isinstance(name, str)
+            and isinstance(nbytes, int)
+            and nbytes > 0
+            and isinstance(offset, int)
+            and offset >= 0
+            and (ticket is None or (isinstance(ticket, int) and ticket > 0))
         ):
             raise MalformedFrame(f"bad shared-memory reference {ref!r}")
         meta["seg"] = specs
@@ -195,7 +249,25 @@ def resolve_reference(
         err = exc if isinstance(exc, MalformedFrame) else MalformedFrame(f"bad shared-memory reference: {exc}")
         err.fatal = False
         return Frame(frame.msg_type, meta, memoryview(b""), [], err)
-    return Frame(frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, lambda: release(name, offset))
+    return Frame(
+        frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, lambda: release(name, offset, ticket)
+    )
+
+
+def release_notice(
+    attached: dict[str, _Attached], name: str, offset: int, ticket: int | None
+) -> list[bytes | memoryview] | None:
+    """Release body ``ticket`` of the peer's segment ``name``: store the ticket in its control
+    block; the RELEASE notice to send as well (an encoded frame), or None when the peer
+    does not wait for it. A body without a ticket (exported memory) always needs the notice."""
+    if ticket is not None:
+        shm = attached.get(name)
+        if shm is not None and not shm.mark_released(ticket):
+            return None
+    meta: dict[str, Any] = {"name": name, "offset": offset}
+    if ticket is not None:
+        meta["ticket"] = ticket
+    return encode_frame(RELEASE, meta)
 
 
 def _shared_body(arrays: Sequence[np.ndarray], limits: Limits) -> tuple[int, list[Any]] | None:
@@ -212,19 +284,21 @@ def _shared_body(arrays: Sequence[np.ndarray], limits: Limits) -> tuple[int, lis
 class _Outgoing:
     """The segments one sender writes its bodies into: reused, the smallest free one that
     fits first, a new one (replacing free ones too small) while fewer than
-    :data:`MAX_SEGMENTS` are busy. A segment is busy from its send until the peer's RELEASE."""
+    :data:`MAX_SEGMENTS` are busy. A segment is busy from its send until the peer stores
+    its ticket (or sends a RELEASE notice)."""
 
     def __init__(self) -> None:
         self.segments: dict[str, _Segment] = {}
 
-    def take(self, arrays: Sequence[np.ndarray], nbytes: int) -> _Segment | None:
-        """A segment holding a copy of ``arrays`` (``nbytes`` in all), now busy; None while
-        every segment allowed is busy (wait for a RELEASE, then ask again)."""
-        free = [s for s in self.segments.values() if not s.busy and s.size >= nbytes]
+    def take(self, arrays: Sequence[np.ndarray], nbytes: int) -> tuple[_Segment, int] | None:
+        """A segment holding a copy of ``arrays`` (``nbytes`` in all), now busy, and the
+        body's ticket; None while every segment allowed is busy (then :meth:`wait`, wait
+        for a RELEASE notice or ``RECHECK_S``, and ask again)."""
+        free = [s for s in self.segments.values() if s.free and s.size >= nbytes]
         if free:
             seg = min(free, key=lambda s: s.size)
-        elif sum(s.busy for s in self.segments.values()) < MAX_SEGMENTS:
-            for name in [n for n, s in self.segments.items() if not s.busy]:  # too small: replace
+        elif sum(not s.free for s in self.segments.values()) < MAX_SEGMENTS:
+            for name in [n for n, s in self.segments.items() if s.free]:  # too small: replace
                 self.segments.pop(name).destroy()
             seg = _Segment(max(nbytes, 1 << 20))
             self.segments[seg.shm.name] = seg
@@ -235,13 +309,18 @@ class _Outgoing:
             if a.nbytes:
                 seg.array[offset : offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
                 offset += a.nbytes
-        seg.busy = True
-        return seg
+        return seg, seg.lend()
 
-    def released(self, name: str) -> bool:
-        """The peer is done with segment ``name``; True if it is one of these."""
+    def wait(self, waiting: bool) -> None:
+        """Ask the peer for RELEASE notices (``waiting``), or stop asking."""
+        for seg in self.segments.values():
+            seg.control[1] = int(waiting)
+
+    def released(self, name: str, ticket: Any = None) -> bool:
+        """A RELEASE notice: the peer is done with body ``ticket`` of segment ``name`` (a
+        notice without a ticket: with its last one); True if it is one of these."""
         seg = self.segments.get(name)
-        if seg is not None:
+        if seg is not None and (ticket is None or ticket == seg.ticket):
             seg.busy = False
         return seg is not None
 
@@ -273,7 +352,7 @@ class ShmConnection(StreamConnection):
 
     def _released(self, frame: Frame) -> None:
         name = str(frame.meta.get("name"))
-        if self._out.released(name):
+        if self._out.released(name, frame.meta.get("ticket")):
             self._freed.set()
         waiter = self._lent.pop((name, frame.meta.get("offset", 0)), None)
         if waiter is not None and not waiter.done():
@@ -285,19 +364,29 @@ class ShmConnection(StreamConnection):
             self.bytes_in += resolved.body.nbytes  # the body came through shared memory
         return resolved
 
-    def _release(self, name: str, offset: int) -> None:
-        if not self.is_closed and self._transport is not None:
-            self._transport.writelines(encode_frame(RELEASE, {"name": name, "offset": offset}))
+    def _release(self, name: str, offset: int, ticket: int | None) -> None:
+        notice = release_notice(self._in, name, offset, ticket)
+        if notice is not None and not self.is_closed and self._transport is not None:
+            self._transport.writelines(self._sending(notice))
 
     # -- sending ---------------------------------------------------------------------------
-    async def _segment_for(self, arrays: Sequence[np.ndarray], nbytes: int) -> _Segment:
-        while True:
-            seg = self._out.take(arrays, nbytes)
-            if seg is not None:
-                return seg
-            self._freed.clear()
-            await self._freed.wait()  # set by a RELEASE, or when the connection ends
-            self._check_open()
+    async def _segment_for(self, arrays: Sequence[np.ndarray], nbytes: int) -> tuple[_Segment, int]:
+        taken = self._out.take(arrays, nbytes)
+        if taken is not None:
+            return taken
+        self._out.wait(True)
+        try:
+            while (taken := self._out.take(arrays, nbytes)) is None:
+                self._freed.clear()
+                try:  # set by a RELEASE notice or when the connection ends; else look again
+                    await asyncio.wait_for(self._freed.wait(), RECHECK_S)
+                except asyncio.TimeoutError:
+                    pass
+                self._check_open()
+        finally:
+            if not self.is_closed:
+                self._out.wait(False)
+        return taken
 
     def _end(self) -> None:
         """Closed or lost: no RELEASE will come, so wake every sender waiting for one."""
@@ -324,9 +413,9 @@ class ShmConnection(StreamConnection):
             await waiter  # the RELEASE, or the end of the connection
             self._check_open()
             return
-        seg = await self._segment_for(arrays, body)
+        seg, ticket = await self._segment_for(arrays, body)
         try:
-            await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs]})
+            await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs, 0, ticket]})
         except FrameTooLarge:  # the metadata: nothing went out, the segment stays free
             seg.busy = False
             raise
@@ -358,12 +447,19 @@ class BlockingShmConnection(BlockingConnection):
             await super().send(msg_type, meta, arrays)
             return
         body, specs = shared
-        seg = self._out.take(arrays, body)
-        while seg is None:  # every segment is still being read: take frames until one comes back
-            self._held.append(await self._next())
-            seg = self._out.take(arrays, body)
+        taken = self._out.take(arrays, body)
+        if taken is None:  # every segment is still being read: take frames until one comes back
+            self._out.wait(True)
+            try:
+                while (taken := self._out.take(arrays, body)) is None:
+                    if self._readable(RECHECK_S) and (frame := await self._one()) is not None:
+                        self._held.append(frame)
+            finally:
+                if not self.is_closed:
+                    self._out.wait(False)
+        seg, ticket = taken
         try:
-            await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs]})
+            await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs, 0, ticket]})
         except FrameTooLarge:  # the metadata: nothing went out, the segment stays free
             seg.busy = False
             raise
@@ -373,23 +469,37 @@ class BlockingShmConnection(BlockingConnection):
 
     async def _next(self) -> Frame:
         """The next frame but RELEASE notices (handled here), its body resolved in place."""
-        while True:
-            frame = await super().recv()
-            if frame.msg_type == RELEASE:
-                self._out.released(str(frame.meta.get("name")))
-                continue
-            if _REF not in frame.meta:
-                return frame
-            resolved = resolve_reference(frame, self.limits, lambda header: None, self._in, self._release)
-            if isinstance(resolved, WireError):
-                self._lost = PeerGone(f"the server sent a frame beyond the limits: {resolved}")
-                raise resolved
-            return resolved
+        while (frame := await self._one()) is None:
+            pass
+        return frame
 
-    def _release(self, name: str, offset: int) -> None:
-        if not self.is_closed:
+    async def _one(self) -> Frame | None:
+        """The next frame, its body resolved in place; None for a RELEASE notice (handled here)."""
+        frame = await super().recv()
+        if frame.msg_type == RELEASE:
+            self._out.released(str(frame.meta.get("name")), frame.meta.get("ticket"))
+            return None
+        if _REF not in frame.meta:
+            return frame
+        resolved = resolve_reference(frame, self.limits, lambda header: None, self._in, self._release)
+        if isinstance(resolved, WireError):
+            self._lost = PeerGone(f"the server sent a frame beyond the limits: {resolved}")
+            raise resolved
+        return resolved
+
+    def _readable(self, seconds: float) -> bool:
+        """True if a frame is ready or bytes arrive within ``seconds``."""
+        if self._frames:
+            return True
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        return bool(poller.poll(seconds * 1000))
+
+    def _release(self, name: str, offset: int, ticket: int | None) -> None:
+        notice = release_notice(self._in, name, offset, ticket)
+        if notice is not None and not self.is_closed:
             try:
-                self._sock.sendall(b"".join(encode_frame(RELEASE, {"name": name, "offset": offset})))
+                self._sock.sendall(b"".join(notice))
             except OSError:
                 pass  # the connection is gone: nobody waits for the segment any more
 
