@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import numpy as np
-from helpers import CLI_ARGS, reap, run_cli, run_server, subprocess_env
+from helpers import CLI_ARGS, reap, run_cli, run_server, sgd_reference, subprocess_env
 
 from rudra_async import transports
 from rudra_async.client import Client
@@ -239,3 +239,115 @@ async def test_exported_memory_is_sent_by_reference_and_held_until_released():
     shm.exported.free(weights)
     conn.close()
     await listener.close()
+
+
+class DocsOnlyShmLearner:
+    """A learner written from docs/wire.md and docs/transports.md ("The shm:// format") alone:
+    a blocking Unix socket, struct, msgpack and a POSIX shared-memory segment of its own."""
+
+    def __init__(self, server_name: str, size: int) -> None:
+        import socket
+        from multiprocessing import shared_memory
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect("\0rudra-async/" + server_name)
+        self.size = size
+        nbytes = 4 * size  # a multiple of 8 here, so the control block follows at once
+        self.seg = shared_memory.SharedMemory(create=True, size=nbytes + 16)
+        self.grad = np.ndarray((size,), "<f4", self.seg.buf)
+        self.control = np.ndarray((2,), "<i8", self.seg.buf, offset=nbytes)  # [released ticket, sender waits]
+        self.tickets = 0
+
+    def send(self, msg_type: int, meta: dict) -> None:
+        import struct
+
+        import msgpack
+
+        packed = msgpack.packb(meta)
+        self.sock.sendall(b"RDRA" + struct.pack("<BBHQQ", 1, msg_type, 0, len(packed), 0) + packed)
+
+    def recv(self) -> tuple[int, dict]:
+        import struct
+
+        import msgpack
+
+        magic, version, msg_type, _flags, meta_len, body_len = struct.unpack("<4sBBHQQ", self._exactly(24))
+        assert (magic, version, body_len) == (b"RDRA", 1, 0), "a body this large travels by reference"
+        return msg_type, msgpack.unpackb(self._exactly(meta_len))
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            assert chunk, "the server closed the connection"
+            data += chunk
+        return data
+
+    def read_weights(self, meta: dict) -> np.ndarray:
+        """The body a WEIGHTS reference names, copied out; then its RELEASE notice."""
+        name, nbytes, seg, offset, *ticket = meta["~shm"]
+        assert seg == [["<f4", [self.size]]] and nbytes == 4 * self.size and not ticket  # exported: no ticket
+        with open(f"/dev/shm/{name}", "rb") as f:
+            f.seek(offset)
+            weights = np.frombuffer(f.read(nbytes), "<f4").copy()
+        self.send(250, {"name": name, "offset": offset})
+        return weights
+
+    def push(self, grad: np.ndarray, timestamp: int) -> None:
+        assert self.tickets == 0 or self.control[0] == self.tickets, "the segment is still being read"
+        self.grad[:] = grad
+        self.tickets += 1
+        ref = [self.seg.name, 4 * self.size, [["<f4", [self.size]]], 0, self.tickets]
+        self.send(3, {"timestamp": timestamp, "pull": True, "~shm": ref})
+
+    def close(self) -> None:
+        del self.grad, self.control
+        self.sock.close()
+        self.seg.close()
+        self.seg.unlink()
+
+
+async def test_a_learner_written_from_the_docs_alone_trains_over_shm():
+    """Initial weights and gradients go by reference with tickets, weights come back by
+    reference without one; the server returns each body through the control block alone,
+    and with a RELEASE notice once the learner says it waits; the updates are SGD's, bit for bit."""
+    size = 50_000  # 200 KB: every body travels by reference
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(2)]
+    expected = list(sgd_reference(w0, [([g], [1.0]) for g in grads], 0.05, 0.9, 0.0, False))
+    async with run_server(listen=["shm://"], lr=0.05, momentum=0.9) as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def learn() -> list[tuple[int, dict]]:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                me.grad[:] = w0  # the initial weights, in the segment, ticket 1
+                me.tickets = 1
+                ref = [me.seg.name, 4 * size, [["<f4", [size]]], 0, 1]
+                me.send(1, {"layout": [["w", [size]]], "~shm": ref})
+                assert me.recv()[0] == 2  # WELCOME
+                replies = []
+                for step, grad in enumerate(grads):
+                    if step == 1:
+                        me.control[1] = 1  # "sender waits": now the release also comes as a notice
+                    me.push(grad, timestamp=step)
+                    frames = [me.recv()]
+                    if step == 1:
+                        frames.append(me.recv())
+                    replies += frames
+                    weights = [meta for t, meta in frames if t == 5]
+                    assert len(weights) == 1 and weights[0]["timestamp"] == step + 1
+                    np.testing.assert_array_equal(me.read_weights(weights[0]), expected[step])
+                    assert me.control[0] == me.tickets  # released through the control block
+                me.send(8, {})
+                assert me.recv()[0] == 8
+                return replies
+            finally:
+                me.close()
+
+        replies = await asyncio.to_thread(learn)
+    notices = [meta for t, meta in replies if t == 250]
+    assert len(replies) == 3 and len(notices) == 1  # no notice while the learner did not wait
+    assert notices[0]["offset"] == 0 and notices[0]["ticket"] == 3  # hello 1, pushes 2 and 3
