@@ -9,6 +9,11 @@ comes back (2 × SIZE bytes per round trip) through the transport API:
 
 then the small-message (256 B) round-trip latency of each, next to the same baseline.
 
+For shm it also prints where the round trip's time goes beside memcpy x2 in one process:
+the same two copies made as the transport makes them, the first by this process into
+shared memory and the second by another process from that segment into its own, each
+copy timed by the process that makes it (no notification in the figure).
+
     python benchmarks/transports.py [--reps 10] [--only tcp,shm,ucx]
 """
 
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import mmap
 import multiprocessing as mp
 import statistics
 import sys
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +122,47 @@ def memcpy_round_trips(nbytes: int, reps: int) -> list[float]:
     return times[1:]
 
 
+def _copy_on_request(nbytes: int, names: tuple[str, str], pipe) -> None:
+    """The echo's copy of the two-process baseline: on each request, copy segment 1 into
+    segment 2 and answer with the seconds it took."""
+    maps = []
+    for name in names:  # mapped by path: attaching through SharedMemory would register it with a tracker
+        with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as f:
+            maps.append(mmap.mmap(f.fileno(), nbytes))
+    src, dst = (np.frombuffer(m, np.uint8, nbytes) for m in maps)
+    while pipe.recv():
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        pipe.send(time.perf_counter() - t)
+
+
+def two_process_copies(nbytes: int, reps: int) -> list[float]:
+    """Seconds of the two copies of a shm round trip, each made by its own process: this one
+    copies a private array into segment 1, another copies segment 1 into segment 2."""
+    segments = [shared_memory.SharedMemory(create=True, size=nbytes) for _ in range(2)]
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_copy_on_request, args=(nbytes, tuple(s.name for s in segments), there), daemon=True)
+    child.start()
+    src, dst = np.ones(nbytes, np.uint8), np.ndarray(nbytes, np.uint8, segments[0].buf)
+    times = []
+    try:
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            np.copyto(dst, src)
+            mine = time.perf_counter() - t
+            here.send(True)
+            times.append(mine + here.recv())
+        here.send(False)
+        child.join(10)
+    finally:
+        del dst
+        for s in segments:
+            s.close()
+            s.unlink()
+    return times[1:]
+
+
 def in_process(target, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -161,6 +209,12 @@ def main() -> None:
                 f"  {scheme:3} {n / 1e6:5.0f} MB: {baseline_name[scheme]:17} {gb(base):6.2f} GB/s   "
                 f"{scheme} {gb(ours):6.2f} GB/s   ratio {base / ours:4.2f}x"
             )
+            if scheme == "shm":
+                split = statistics.median(two_process_copies(n, args.reps))
+                print(
+                    f"  {'':3} {'':5}    where it goes: the same copies in two processes {gb(split):6.2f} GB/s"
+                    f"   ratio {split / ours:4.2f}x"
+                )
     print(f"small message ({SMALL} B) round trip, median of {args.small_reps}")
     for scheme in args.only.split(","):
         base, ours = measure(scheme, SMALL, args.small_reps)
