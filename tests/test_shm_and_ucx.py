@@ -4,9 +4,13 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import time
+from multiprocessing import shared_memory
 
+import msgpack
 import numpy as np
 from helpers import CLI_ARGS, reap, run_cli, run_server, sgd_reference, subprocess_env
 
@@ -246,32 +250,21 @@ class DocsOnlyShmLearner:
     a blocking Unix socket, struct, msgpack and a POSIX shared-memory segment of its own."""
 
     def __init__(self, server_name: str, size: int) -> None:
-        import socket
-        from multiprocessing import shared_memory
-
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         self.sock.connect("\0rudra-async/" + server_name)
         self.size = size
         nbytes = 4 * size  # a multiple of 8 here, so the control block follows at once
         self.seg = shared_memory.SharedMemory(create=True, size=nbytes + 16)
-        self.grad = np.ndarray((size,), "<f4", self.seg.buf)
+        self.body = np.ndarray((size,), "<f4", self.seg.buf)
         self.control = np.ndarray((2,), "<i8", self.seg.buf, offset=nbytes)  # [released ticket, sender waits]
         self.tickets = 0
 
     def send(self, msg_type: int, meta: dict) -> None:
-        import struct
-
-        import msgpack
-
         packed = msgpack.packb(meta)
         self.sock.sendall(b"RDRA" + struct.pack("<BBHQQ", 1, msg_type, 0, len(packed), 0) + packed)
 
     def recv(self) -> tuple[int, dict]:
-        import struct
-
-        import msgpack
-
         magic, version, msg_type, _flags, meta_len, body_len = struct.unpack("<4sBBHQQ", self._exactly(24))
         assert (magic, version, body_len) == (b"RDRA", 1, 0), "a body this large travels by reference"
         return msg_type, msgpack.unpackb(self._exactly(meta_len))
@@ -288,21 +281,22 @@ class DocsOnlyShmLearner:
         """The body a WEIGHTS reference names, copied out; then its RELEASE notice."""
         name, nbytes, seg, offset, *ticket = meta["~shm"]
         assert seg == [["<f4", [self.size]]] and nbytes == 4 * self.size and not ticket  # exported: no ticket
-        with open(f"/dev/shm/{name}", "rb") as f:
-            f.seek(offset)
-            weights = np.frombuffer(f.read(nbytes), "<f4").copy()
+        weights = np.fromfile(f"/dev/shm/{name}", "<f4", self.size, offset=offset)
         self.send(250, {"name": name, "offset": offset})
         return weights
 
-    def push(self, grad: np.ndarray, timestamp: int) -> None:
+    def by_reference(self, values: np.ndarray) -> list:
+        """``values`` written into this learner's segment as the next body: its reference."""
         assert self.tickets == 0 or self.control[0] == self.tickets, "the segment is still being read"
-        self.grad[:] = grad
+        self.body[:] = values
         self.tickets += 1
-        ref = [self.seg.name, 4 * self.size, [["<f4", [self.size]]], 0, self.tickets]
-        self.send(3, {"timestamp": timestamp, "pull": True, "~shm": ref})
+        return [self.seg.name, 4 * self.size, [["<f4", [self.size]]], 0, self.tickets]
+
+    def push(self, grad: np.ndarray, timestamp: int) -> None:
+        self.send(3, {"timestamp": timestamp, "pull": True, "~shm": self.by_reference(grad)})
 
     def close(self) -> None:
-        del self.grad, self.control
+        del self.body, self.control
         self.sock.close()
         self.seg.close()
         self.seg.unlink()
@@ -323,10 +317,7 @@ async def test_a_learner_written_from_the_docs_alone_trains_over_shm():
         def learn() -> list[tuple[int, dict]]:
             me = DocsOnlyShmLearner(server_name, size)
             try:
-                me.grad[:] = w0  # the initial weights, in the segment, ticket 1
-                me.tickets = 1
-                ref = [me.seg.name, 4 * size, [["<f4", [size]]], 0, 1]
-                me.send(1, {"layout": [["w", [size]]], "~shm": ref})
+                me.send(1, {"layout": [["w", [size]]], "~shm": me.by_reference(w0)})  # ticket 1
                 assert me.recv()[0] == 2  # WELCOME
                 replies = []
                 for step, grad in enumerate(grads):

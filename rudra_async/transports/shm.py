@@ -33,6 +33,7 @@ import _posixshmem
 import asyncio
 import atexit
 import collections
+import contextlib
 import itertools
 import mmap
 import os
@@ -40,7 +41,7 @@ import secrets
 import select
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 from urllib.parse import urlsplit
@@ -292,8 +293,8 @@ class _Outgoing:
 
     def take(self, arrays: Sequence[np.ndarray], nbytes: int) -> tuple[_Segment, int] | None:
         """A segment holding a copy of ``arrays`` (``nbytes`` in all), now busy, and the
-        body's ticket; None while every segment allowed is busy (then :meth:`wait`, wait
-        for a RELEASE notice or ``RECHECK_S``, and ask again)."""
+        body's ticket; None while every segment allowed is busy (then, in :meth:`waiting`,
+        wait for a RELEASE notice or ``RECHECK_S``, and ask again)."""
         free = [s for s in self.segments.values() if s.free and s.size >= nbytes]
         if free:
             seg = min(free, key=lambda s: s.size)
@@ -311,8 +312,17 @@ class _Outgoing:
                 offset += a.nbytes
         return seg, seg.lend()
 
-    def wait(self, waiting: bool) -> None:
-        """Ask the peer for RELEASE notices (``waiting``), or stop asking."""
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Ask the peer for RELEASE notices for the duration of the block (the segments of a
+        destroyed sender are gone: nothing is left to stop asking)."""
+        self._ask(True)
+        try:
+            yield
+        finally:
+            self._ask(False)
+
+    def _ask(self, waiting: bool) -> None:
         for seg in self.segments.values():
             seg.control[1] = int(waiting)
 
@@ -374,8 +384,7 @@ class ShmConnection(StreamConnection):
         taken = self._out.take(arrays, nbytes)
         if taken is not None:
             return taken
-        self._out.wait(True)
-        try:
+        with self._out.waiting():
             while (taken := self._out.take(arrays, nbytes)) is None:
                 self._freed.clear()
                 try:  # set by a RELEASE notice or when the connection ends; else look again
@@ -383,9 +392,6 @@ class ShmConnection(StreamConnection):
                 except asyncio.TimeoutError:
                     pass
                 self._check_open()
-        finally:
-            if not self.is_closed:
-                self._out.wait(False)
         return taken
 
     def _end(self) -> None:
@@ -449,14 +455,10 @@ class BlockingShmConnection(BlockingConnection):
         body, specs = shared
         taken = self._out.take(arrays, body)
         if taken is None:  # every segment is still being read: take frames until one comes back
-            self._out.wait(True)
-            try:
+            with self._out.waiting():
                 while (taken := self._out.take(arrays, body)) is None:
                     if self._readable(RECHECK_S) and (frame := await self._one()) is not None:
                         self._held.append(frame)
-            finally:
-                if not self.is_closed:
-                    self._out.wait(False)
         seg, ticket = taken
         try:
             await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs, 0, ticket]})
