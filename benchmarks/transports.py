@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import mmap
 import multiprocessing as mp
 import statistics
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tcp_roundtrip import _serve_raw, raw_round_trips
 
 from rudra_async import transports
+from rudra_async.transports.shm import _Attached
 from rudra_async.wire import MsgType
 
 SIZES = [1_000_000, 16_000_000, 100_000_000]
@@ -125,11 +125,8 @@ def memcpy_round_trips(nbytes: int, reps: int) -> list[float]:
 def _copy_on_request(nbytes: int, names: tuple[str, str], pipe) -> None:
     """The echo's copy of the two-process baseline: on each request, copy segment 1 into
     segment 2 and answer with the seconds it took."""
-    maps = []
-    for name in names:  # mapped by path: attaching through SharedMemory would register it with a tracker
-        with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as f:
-            maps.append(mmap.mmap(f.fileno(), nbytes))
-    src, dst = (np.frombuffer(m, np.uint8, nbytes) for m in maps)
+    segments = [_Attached(name) for name in names]  # as the transport attaches: no resource tracker
+    src, dst = (np.frombuffer(s.buf, np.uint8, nbytes) for s in segments)
     while pipe.recv():
         t = time.perf_counter()
         np.copyto(dst, src)
