@@ -62,6 +62,11 @@ class SyncProtocol:
     name = "?"
     #: False for a protocol whose rounds wait for no learner (async): no hung learner to evict
     waits_for_members = True
+    #: True for a protocol that answers every push at once: ``push`` applies the gradient
+    #: (a batch of one) or drops it, never holds it or sets ``wait_applied``, and
+    #: ``pull_floor`` is always −1. The server may then answer a small push+pull from the
+    #: transport's callback, without a task switch (see ``Session.express``).
+    answers_at_once = False
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self.now = now
@@ -174,6 +179,7 @@ class Async(Softsync):
 
     name = "async"
     waits_for_members = False
+    answers_at_once = True
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         super().__init__(1, now)

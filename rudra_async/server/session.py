@@ -38,6 +38,9 @@ HANDSHAKE_META = 1024
 PRE_HELLO_FRAME = 64 * 1024
 #: slack over twice the model's size for a body once the layout is known
 BODY_SLACK = 65536
+#: the largest model (values) whose push+pull :meth:`Session.express` answers: its reply
+#: carries a copy of the weights (256 KiB here, a few µs)
+EXPRESS_MAX_VALUES = 1 << 16
 AUTH_REQUIRED = "this server requires authentication (a shared secret) before any other message"
 
 
@@ -108,6 +111,7 @@ class Session:
         try:
             while self.state is not State.CLOSED:
                 self._await_request()
+                self.conn.express = self.express if self.state is State.READY else None
                 try:
                     frame = await self.conn.recv()
                 except WireError as exc:  # fatal: the byte stream lost sync
@@ -115,6 +119,8 @@ class Session:
                     message = AUTH_REQUIRED if code == "auth_required" else str(exc)
                     await self._refuse(code, message, fatal=True, seq=None)
                     return
+                finally:
+                    self.conn.express = None
                 self.deadline = None
                 learner = self.learner
                 if learner is not None:
@@ -132,6 +138,45 @@ class Session:
             self.state = State.CLOSED
             if self.learner is not None:
                 self.core.leave(self.learner, clean=self.said_bye)
+
+    def express(self, frame: Frame) -> bool:
+        """Answer a push+pull from the transport's callback, while this session waits for a
+        request (the connection's ``express`` hook): True when answered. Only where the
+        reply can be given at once — a protocol that ``answers_at_once``, a model of at
+        most :data:`EXPRESS_MAX_VALUES` values updated on this thread, a transport that can
+        send now — and with the same reply, accounting and deadlines as :meth:`_push`; the
+        reply carries a copy of the weights (the transport may send it later). Anything
+        else, a refused push included, is declined (False) and goes the usual way."""
+        core, store, learner = self.core, self.core.store, self.learner
+        if not (
+            frame.msg_type == MsgType.PUSH
+            and frame.meta.get("pull") is True
+            and frame.error is None
+            and learner is not None
+            and core.protocol.answers_at_once
+            and store is not None
+            and store.layout.size <= EXPRESS_MAX_VALUES
+            and store.in_flight is None
+            and self.conn.nowait_room(store.layout.nbytes)
+        ):
+            return False
+        core.active(learner)
+        try:
+            try:
+                core.push(learner, frame.meta, frame)  # a refusal (RequestError) comes before any change
+            except RequestError:
+                return False  # the session refuses it the usual way
+            clock = store.clock
+            reply = {"timestamp": clock, "stop": core.stopped}
+            if "seq" in frame.meta:
+                reply["seq"] = frame.meta["seq"]
+            self.conn.send_nowait(MsgType.WEIGHTS, reply, [store.weights.copy()])
+            core.pulled(learner, clock)
+        finally:
+            core.idle(learner)
+        frame.release()  # a no-op: the core took it
+        self._await_request()
+        return True
 
     def _await_request(self) -> None:
         """Set the deadline for the next request: the handshake's (fixed at accept) until

@@ -52,8 +52,9 @@ arrives through the subclass API:
   first byte; a transport that resolves bodies itself (shared memory) calls
   ``self._admit(header)`` before touching a body.
 - ``_deliver(frame_or_fatal_error)`` queues a frame in the bounded inbox and wakes
-  ``recv``; a fatal :class:`~rudra_async.errors.WireError` (then in ``_fatal``) is raised
-  by every later ``recv``, and nothing after it is queued. ``_advance(reader, n)`` does this for bytes
+  ``recv`` (a frame that finds the inbox empty is first offered to
+  :attr:`Connection.express`); a fatal :class:`~rudra_async.errors.WireError` (then in
+  ``_fatal``) is raised by every later ``recv``, and nothing after it is queued. ``_advance(reader, n)`` does this for bytes
   written into a :class:`~rudra_async.wire.FrameReader` (``FrameReader(limits,
   self._allocate)`` honours :attr:`Connection.allocator`).
 - ``_connection_lost(PeerGone(...))``: the link broke or the peer closed; ``recv`` raises
@@ -65,6 +66,9 @@ arrives through the subclass API:
   message-based transport stops posting receives (``await self._inbox_room()``, False
   once the connection takes nothing more), an in-process sender waits on its peer's.
   ``_on_consumed()`` is called after ``recv`` took a frame (e.g. to resume reading).
+- Optionally ``nowait_room(body_bytes)`` and ``send_nowait(...)``: sending a frame from a
+  callback, without awaiting (a stream does when its write buffer is empty); the default
+  is "never", and ``send`` is all a transport must have.
 - Traffic: :attr:`Connection.bytes_in` counts what ``_advance`` reads; a transport passes
   each encoded frame through ``_sending(parts)`` (counted in :attr:`Connection.bytes_out`)
   and adds bytes that move outside the frames (a body in shared memory) itself.
@@ -116,6 +120,10 @@ class Connection(abc.ABC):
     #: optional hook checking each incoming header before anything of its frame is
     #: allocated (see ``wire.Admit``); a server sets it when the connection is accepted
     admit: Admit | None = None
+    #: optional hook offered each received frame that finds the inbox empty, from the
+    #: transport's callback: True means it took (and answered) the frame, which is then not
+    #: queued; False queues it as usual. A server sets it only while it waits in ``recv``.
+    express: Callable[[Frame], bool] | None = None
     #: bytes received and sent: the frames as they travel (header, metadata, body)
     bytes_in: int = 0
     bytes_out: int = 0
@@ -161,7 +169,8 @@ class Connection(abc.ABC):
         if self._closed:
             return
         self._closed = True
-        self.allocator = self.admit = None  # hooks refer back to their owner: no cycle outlives the close
+        # hooks refer back to their owner: no cycle outlives the close
+        self.allocator = self.admit = self.express = None
         try:
             self._close_link()
         except Exception:  # the contract: close never raises
@@ -172,6 +181,17 @@ class Connection(abc.ABC):
                 item.release()
         self._inbox_nbytes = 0
         self._end()
+
+    def nowait_room(self, body_bytes: int) -> bool:
+        """Whether :meth:`send_nowait` can send a frame with a body of ``body_bytes`` now.
+        Default: False (the transport sends only with :meth:`send`)."""
+        return False
+
+    def send_nowait(self, msg_type: int, meta: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> None:
+        """Send one frame without waiting; only right after :meth:`nowait_room` said True
+        for its body (no ``await`` in between). The transport may read the arrays after
+        this returns, so pass arrays nobody changes. Raises as :meth:`send` does."""
+        raise NotImplementedError(f"{type(self).__name__} sends only with send()")
 
     @property
     def is_closed(self) -> bool:
@@ -202,6 +222,8 @@ class Connection(abc.ABC):
             return
         if isinstance(item, WireError):
             self._fatal = item
+        elif not self._inbox and self.express is not None and self.express(item):
+            return
         else:
             self._inbox_nbytes += item.body.nbytes
         self._inbox.append(item)

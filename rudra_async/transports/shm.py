@@ -403,6 +403,10 @@ class ShmConnection(StreamConnection):
                 waiter.set_result(None)
         self._lent.clear()
 
+    def nowait_room(self, body_bytes: int) -> bool:
+        """Only a body that goes inline is sent without waiting (a shared one waits for a segment)."""
+        return body_bytes <= INLINE and super().nowait_room(body_bytes)
+
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
         shared = _shared_body(arrays, self.limits)

@@ -82,15 +82,26 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     # -- the Connection subclass API -----------------------------------------------------
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        self._check_open()
+        self.send_nowait(msg_type, meta, arrays)
         transport = self._transport
         assert transport is not None
-        transport.writelines(self._sending(encode_frame(msg_type, meta, arrays, self.limits)))
         while transport.get_write_buffer_size() > 0:
             self._check_open()
             self._drained.clear()
             await self._drained.wait()
         self._check_open()
+
+    def nowait_room(self, body_bytes: int) -> bool:
+        """True while nothing waits in the write buffer (the frame goes to the OS at once,
+        or is the one frame buffered)."""
+        transport = self._transport
+        return not self.is_closed and transport is not None and transport.get_write_buffer_size() == 0
+
+    def send_nowait(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
+        self._check_open()
+        transport = self._transport
+        assert transport is not None
+        transport.writelines(self._sending(encode_frame(msg_type, meta, arrays, self.limits)))
 
     def _on_consumed(self) -> None:
         if self._reading_paused and len(self._inbox) <= self._inbox_frames // 2 and self._transport is not None:
