@@ -175,3 +175,26 @@ def test_a_server_runs_the_torch_kernel_on_the_threads_configured():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("c, unit", [(1, True), (1, False), (3, False)])  # unit: the one-call path
+def test_torch_update_into_another_buffer_equals_the_update_in_place_bit_for_bit(c, unit):
+    """Out of place (a reader holds the lease), the torch kernel gives the result of the
+    update in place, over several of its blocks and two groups split inside a block."""
+    from rudra_async.kernels.torch_kernel import BLOCK
+
+    size = 2 * BLOCK + 5
+    split = BLOCK + 1000
+    steps = [Group(0, split, SGD(0.05, 0.9, 1e-3, True)), Group(split, size, SGD(0.01, 0.9, 0.0))]
+    w0 = np.random.default_rng(1).standard_normal(size).astype(np.float32)
+    in_place, out_of_place = make_updater("torch", size), make_updater("torch", size)
+    a, b = w0.copy(), w0.copy()
+    for grads, scales in random_batches(size, 4, c):
+        scales = [1.0] if unit else scales
+        in_place.apply(a, a, grads, scales, steps)
+        out = np.full_like(b, np.nan)
+        out_of_place.apply(b, out, grads, scales, steps)
+        b = out
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(in_place.momentum, out_of_place.momentum)
