@@ -34,8 +34,11 @@ class TorchUpdater(HostUpdater):
     def _apply_group(self, out: torch.Tensor, gs: list[torch.Tensor], scales: Sequence[float], group: Group) -> None:
         sgd = group.sgd
         if len(gs) == 1 and scales[0] == 1.0 and gs[0].dtype == torch.float32:
-            part = slice(group.lo, group.hi)
-            self._step(out[part], gs[0][part], self._vt[part], sgd)  # one fused call
+            if group.lo == 0 and group.hi == self.size:  # the whole vector: no slices to make
+                self._step(out, gs[0], self._vt, sgd)
+            else:
+                part = slice(group.lo, group.hi)
+                self._step(out[part], gs[0][part], self._vt[part], sgd)  # one fused call
             return
         for lo in range(group.lo, group.hi, BLOCK):
             hi = min(lo + BLOCK, group.hi)

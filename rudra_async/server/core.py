@@ -122,8 +122,8 @@ def max_abs(a: np.ndarray) -> float:
         return 0.0
     flat, found = a.reshape(-1), 0.0
     for lo in range(0, flat.size, MAX_ABS_BLOCK):
-        block = flat[lo : lo + MAX_ABS_BLOCK]
-        high, low = float(block.max()), float(block.min())
+        block = flat[lo : lo + MAX_ABS_BLOCK]  # the ufuncs' reduce: not ndarray.max's Python wrapper
+        high, low = float(np.maximum.reduce(block)), float(np.minimum.reduce(block))
         if math.isnan(high) or math.isnan(low):
             return math.nan
         found = max(found, abs(high), abs(low))
