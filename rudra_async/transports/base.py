@@ -54,9 +54,10 @@ arrives through the subclass API:
 - ``_deliver(frame_or_fatal_error)`` queues a frame in the bounded inbox and wakes
   ``recv`` (a frame that finds the inbox empty is first offered to
   :attr:`Connection.express`); a fatal :class:`~rudra_async.errors.WireError` (then in
-  ``_fatal``) is raised by every later ``recv``, and nothing after it is queued. ``_advance(reader, n)`` does this for bytes
-  written into a :class:`~rudra_async.wire.FrameReader` (``FrameReader(limits,
-  self._allocate)`` honours :attr:`Connection.allocator`).
+  ``_fatal``) is raised by every later ``recv``, and nothing after it is queued.
+  ``_advance(reader, n)`` does this for bytes written into a
+  :class:`~rudra_async.wire.FrameReader` (``FrameReader(limits, self._allocate)``
+  honours :attr:`Connection.allocator`).
 - ``_connection_lost(PeerGone(...))``: the link broke or the peer closed; ``recv`` raises
   it once the frames before it were consumed. ``_check_open()`` raises ConnectionClosed
   or that PeerGone (call it in ``send``).
