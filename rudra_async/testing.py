@@ -96,7 +96,9 @@ class _Suite:
             if cmd == "close":
                 conn.close()
                 return
-            if cmd == "clog":
+            if cmd == "express":
+                await self._express_echo(conn)
+            elif cmd == "clog":
                 await self._clogged(conn)
             elif cmd == "send":
                 await conn.send(MsgType.PUSH, {}, [np.zeros(frame.meta["nbytes"], np.uint8)])
@@ -106,6 +108,35 @@ class _Suite:
 
     async def _echo_one(self, conn: Connection, frame: Frame) -> None:
         await conn.send(frame.msg_type, {k: v for k, v in frame.meta.items() if k != "seg"}, frame.arrays)
+
+    async def _express_echo(self, conn: Connection) -> None:
+        """Echo each frame from the ``express`` hook where the transport can send at once
+        (``nowait_room``), else the usual way, until one with ``cmd: end`` (echoed, with
+        ``answered``: how many went from the hook)."""
+        answered = 0
+
+        def express(frame: Frame) -> bool:
+            nonlocal answered
+            if frame.meta.get("cmd") == "end" or not conn.nowait_room(frame.body.nbytes):
+                return False
+            copies = [a.copy() for a in frame.arrays]  # the transport may send them after we return
+            conn.send_nowait(frame.msg_type, {k: v for k, v in frame.meta.items() if k != "seg"}, copies)
+            frame.release()
+            answered += 1
+            return True
+
+        while True:
+            conn.express = express  # only while waiting in recv, as a server does
+            try:
+                frame = await conn.recv()
+            finally:
+                conn.express = None
+            if frame.meta.get("cmd") == "end":
+                await conn.send(frame.msg_type, {"cmd": "end", "answered": answered})
+                frame.release()
+                return
+            await self._echo_one(conn, frame)
+            frame.release()
 
     async def _clogged(self, conn: Connection) -> None:
         """Read nothing until ``unclog``; then drop frames up to one with ``cmd: unclogged``, and echo that."""
@@ -187,6 +218,32 @@ async def ordering_with_many_in_flight(s: _Suite) -> None:
         assert frame.meta["i"] == i, f"frame {frame.meta['i']} arrived in place of {i}"
         assert np.all(frame.arrays[0] == i)
         frame.release()
+    conn.close()
+
+
+@_check
+async def express_hook(s: _Suite) -> None:
+    """Frames answered from the receiver's ``express`` hook (with ``send_nowait`` where the
+    transport has room) and frames it declines arrive intact and in order, one at a time
+    and many in flight."""
+    conn = await s.connect()
+    await conn.send(MsgType.PULL, {"cmd": "express"})
+    for i in range(20):  # one at a time: each finds the inbox empty
+        await s.round_trip(conn, [_payload(8 + 13 * i, i)] if i % 3 else [], i=i)
+    n = 60
+    for i in range(n):  # many in flight: offered only while the inbox is empty, else queued
+        await conn.send(MsgType.PUSH, {"i": i}, [_payload(4 + 7 * i, i)])
+    for i in range(n):
+        frame = await asyncio.wait_for(conn.recv(), s.timeout)
+        assert frame.meta == {"i": i, "seg": frame.meta["seg"]}, f"frame {frame.meta} arrived in place of {i}"
+        assert np.array_equal(frame.arrays[0], _payload(4 + 7 * i, i)), "payload corrupted"
+        frame.release()
+    await conn.send(MsgType.PULL, {"cmd": "end"})
+    end = await asyncio.wait_for(conn.recv(), s.timeout)
+    assert end.meta.get("cmd") == "end", end.meta
+    if type(conn).nowait_room is not Connection.nowait_room:  # it sends without waiting: it did here
+        assert end.meta["answered"] > 0, "nowait_room never said yes to a small frame on an idle connection"
+    end.release()
     conn.close()
 
 
