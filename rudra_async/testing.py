@@ -112,7 +112,8 @@ class _Suite:
     async def _express_echo(self, conn: Connection) -> None:
         """Echo each frame from the ``express`` hook where the transport can send at once
         (``nowait_room``), else the usual way, until one with ``cmd: end`` (echoed, with
-        ``answered``: how many went from the hook)."""
+        ``answered``: how many went from the hook, and ``nowait``: whether this end's class
+        overrides ``nowait_room``)."""
         answered = 0
 
         def express(frame: Frame) -> bool:
@@ -132,7 +133,8 @@ class _Suite:
             finally:
                 conn.express = None
             if frame.meta.get("cmd") == "end":
-                await conn.send(frame.msg_type, {"cmd": "end", "answered": answered})
+                overrides = type(conn).nowait_room is not Connection.nowait_room  # this (receiving) end's class
+                await conn.send(frame.msg_type, {"cmd": "end", "answered": answered, "nowait": overrides})
                 frame.release()
                 return
             await self._echo_one(conn, frame)
@@ -241,7 +243,7 @@ async def express_hook(s: _Suite) -> None:
     await conn.send(MsgType.PULL, {"cmd": "end"})
     end = await asyncio.wait_for(conn.recv(), s.timeout)
     assert end.meta.get("cmd") == "end", end.meta
-    if type(conn).nowait_room is not Connection.nowait_room:  # it sends without waiting: it did here
+    if end.meta["nowait"]:  # the receiving end can send without waiting: it did here
         assert end.meta["answered"] > 0, "nowait_room never said yes to a small frame on an idle connection"
     end.release()
     conn.close()

@@ -2,16 +2,18 @@
 replies, accounting and order as the queued path, declined whenever it cannot answer at once."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 from helpers import initial_weights, read_frame, run_server, small_layout
 
-from rudra_async import RemoteError
+from rudra_async import RemoteError, RudraError
 from rudra_async.client import Client
 from rudra_async.layout import Shard
 from rudra_async.server import session as session_module
 from rudra_async.server.session import Session
+from rudra_async.sync import Softsync
 from rudra_async.wire import FrameReader, MsgType, encode_frame
 
 
@@ -135,3 +137,41 @@ async def read_frames(reader: asyncio.StreamReader, count: int) -> list:
         buf[: len(data)] = data
         frames += fr.advance(len(data))
     return frames
+
+
+async def test_an_update_off_the_loop_goes_the_queued_way(answered, monkeypatch):
+    from rudra_async.server import store as store_module
+
+    monkeypatch.setattr(store_module, "BACKGROUND_MIN_VALUES", 1)  # every model updated on the update thread
+    layout = small_layout()
+    async with run_server() as ps:
+        client = await Client.connect(ps.addresses[0], layout, initial_weights(layout))
+        w = await client.pull()
+        w = await client.push_pull(np.ones(layout.size, np.float32), w.timestamp)
+        assert w.timestamp == 1 and answered[True] == 0
+        await client.close()
+
+
+class HoldsAGradient(Softsync):
+    """A protocol that wrongly inherits answers_at_once although it may hold gradients."""
+
+    name = "holds"
+    answers_at_once = True
+
+    def __init__(self, now=time.monotonic) -> None:
+        super().__init__(2, now)
+
+    @property
+    def c(self) -> int:
+        return 2  # two gradients per update: the first push is held
+
+
+async def test_a_protocol_that_breaks_answers_at_once_closes_the_connection_loudly(answered, caplog):
+    layout = small_layout()
+    async with run_server(protocol="test_express:HoldsAGradient") as ps:
+        client = await Client.connect(ps.addresses[0], layout, initial_weights(layout))
+        w = await client.pull()
+        with pytest.raises(RudraError):
+            await client.push_pull(np.ones(layout.size, np.float32), w.timestamp)
+        assert "declares answers_at_once but held a gradient" in caplog.text
+        await client.close()

@@ -456,7 +456,8 @@ class ServerCore:
     ) -> PendingGradient:
         """Validate a PUSH and hand its gradient to the protocol. The core keeps the frame
         until the gradient is applied or dropped (then releases it). ``size``: the gradient's
-        :meth:`measure`, if taken already."""
+        :meth:`measure`, if taken already. A refusal (:class:`RequestError`) is raised
+        before anything changes (the frame is not taken)."""
         fields, grad = self.check_push(learner, meta, frame)
         size = size or self.measure(grad)
         if not math.isfinite(size.max_abs):

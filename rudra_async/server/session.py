@@ -17,6 +17,7 @@ connection's limits, which depend on its state and are in force from the first b
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ from .core import LearnerInfo
 
 if TYPE_CHECKING:
     from .parameter_server import ParameterServer
+
+log = logging.getLogger(__name__)
 
 #: largest metadata of a handshake frame (AUTH, PROOF); they carry no body
 HANDSHAKE_META = 1024
@@ -144,9 +147,10 @@ class Session:
         request (the connection's ``express`` hook): True when answered. Only where the
         reply can be given at once — a protocol that ``answers_at_once``, a model of at
         most :data:`EXPRESS_MAX_VALUES` values updated on this thread, a transport that can
-        send now — and with the same reply, accounting and deadlines as :meth:`_push`; the
+        send now — and with the same reply, core calls and deadline as :meth:`_push`; the
         reply carries a copy of the weights (the transport may send it later). Anything
-        else, a refused push included, is declined (False) and goes the usual way."""
+        else, a refused push included, is declined (False) and goes the usual way. An
+        unexpected error closes the connection (the frame is taken: True)."""
         core, store, learner = self.core, self.core.store, self.learner
         if not (
             frame.msg_type == MsgType.PUSH
@@ -156,22 +160,32 @@ class Session:
             and core.protocol.answers_at_once
             and store is not None
             and store.layout.size <= EXPRESS_MAX_VALUES
-            and store.in_flight is None
+            and store.updates_inline
             and self.conn.nowait_room(store.layout.nbytes)
+            and core.pull_ready(learner.learner_id)
         ):
             return False
         core.active(learner)
         try:
             try:
-                core.push(learner, frame.meta, frame)  # a refusal (RequestError) comes before any change
+                pending = core.push(learner, frame.meta, frame)
             except RequestError:
-                return False  # the session refuses it the usual way
+                return False  # refused before anything changed: the session refuses it the usual way
+            if pending.wait_applied or not pending.settled:
+                raise RudraError(
+                    f"protocol {core.protocol.name!r} declares answers_at_once but held a gradient or made "
+                    "its pusher wait (a subclass that waits must set answers_at_once = False)"
+                )
             clock = store.clock
             reply = {"timestamp": clock, "stop": core.stopped}
             if "seq" in frame.meta:
                 reply["seq"] = frame.meta["seq"]
             self.conn.send_nowait(MsgType.WEIGHTS, reply, [store.weights.copy()])
             core.pulled(learner, clock)
+        except Exception:  # from a transport callback: end this session as a failed handler would
+            log.exception("answering a push+pull of learner %d failed; closing %s", learner.learner_id, self.conn.peer)
+            self.conn.close()
+            return True
         finally:
             core.idle(learner)
         frame.release()  # a no-op: the core took it

@@ -100,6 +100,12 @@ class WeightStore:
         self._after: list[Callable[[], None]] = []  # to call once it is computed
 
     @property
+    def updates_inline(self) -> bool:
+        """Whether updates are computed on the caller's thread (no background thread: a
+        model below :data:`BACKGROUND_MIN_VALUES`, or none given)."""
+        return self._background is None
+
+    @property
     def in_flight(self) -> Future[None] | None:
         """The update being computed in the background (None: the weights are up to date)."""
         return self._in_flight

@@ -188,7 +188,7 @@ class Connection(abc.ABC):
         Default: False (the transport sends only with :meth:`send`)."""
         return False
 
-    def send_nowait(self, msg_type: int, meta: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> None:
+    def send_nowait(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         """Send one frame without waiting; only right after :meth:`nowait_room` said True
         for its body (no ``await`` in between). The transport may read the arrays after
         this returns, so pass arrays nobody changes. Raises as :meth:`send` does."""
