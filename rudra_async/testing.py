@@ -62,6 +62,11 @@ def _payload(nbytes: int, seed: int) -> np.ndarray:
     return a
 
 
+def _echoed_meta(frame: Frame) -> dict[str, Any]:
+    """A received frame's metadata without the transport's ``seg`` list, to send back."""
+    return {k: v for k, v in frame.meta.items() if k != "seg"}
+
+
 class _Suite:
     def __init__(self, url: str, transport: Transport, limits: Limits, large: tuple[int, ...], timeout: float) -> None:
         self.url, self.transport, self.limits, self.large, self.timeout = url, transport, limits, large, timeout
@@ -107,7 +112,7 @@ class _Suite:
             frame.release()
 
     async def _echo_one(self, conn: Connection, frame: Frame) -> None:
-        await conn.send(frame.msg_type, {k: v for k, v in frame.meta.items() if k != "seg"}, frame.arrays)
+        await conn.send(frame.msg_type, _echoed_meta(frame), frame.arrays)
 
     async def _express_echo(self, conn: Connection) -> None:
         """Echo each frame from the ``express`` hook where the transport can send at once
@@ -121,7 +126,7 @@ class _Suite:
             if frame.meta.get("cmd") == "end" or not conn.nowait_room(frame.body.nbytes):
                 return False
             copies = [a.copy() for a in frame.arrays]  # the transport may send them after we return
-            conn.send_nowait(frame.msg_type, {k: v for k, v in frame.meta.items() if k != "seg"}, copies)
+            conn.send_nowait(frame.msg_type, _echoed_meta(frame), copies)
             frame.release()
             answered += 1
             return True
@@ -176,7 +181,7 @@ class _Suite:
         await conn.send(MsgType.PUSH, meta, arrays)
         frame = await asyncio.wait_for(conn.recv(), self.timeout)
         assert frame.msg_type == MsgType.PUSH, frame.msg_type
-        assert {k: v for k, v in frame.meta.items() if k != "seg"} == meta, frame.meta
+        assert _echoed_meta(frame) == meta, frame.meta
         got = frame.arrays
         assert len(got) == len(arrays)
         for a, b in zip(arrays, got):

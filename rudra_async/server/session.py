@@ -177,9 +177,7 @@ class Session:
                     "its pusher wait (a subclass that waits must set answers_at_once = False)"
                 )
             clock = store.clock
-            reply = {"timestamp": clock, "stop": core.stopped}
-            if "seq" in frame.meta:
-                reply["seq"] = frame.meta["seq"]
+            reply = _answering(self._weights_meta(clock), frame.meta)
             self.conn.send_nowait(MsgType.WEIGHTS, reply, [store.weights.copy()])
             core.pulled(learner, clock)
         except Exception:  # from a transport callback: end this session as a failed handler would
@@ -188,7 +186,6 @@ class Session:
             return True
         finally:
             core.idle(learner)
-        frame.release()  # a no-op: the core took it
         self._await_request()
         return True
 
@@ -318,15 +315,17 @@ class Session:
         store = core.store
         assert store is not None, "READY implies weights"
         with store.lease() as (clock, weights):
-            await self._reply(MsgType.WEIGHTS, {"timestamp": clock, "stop": core.stopped}, request, [weights])
+            await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights])
         core.pulled(learner, clock)
+
+    def _weights_meta(self, clock: int) -> dict[str, Any]:
+        """The metadata of a WEIGHTS reply carrying the weights of ``clock``."""
+        return {"timestamp": clock, "stop": self.core.stopped}
 
     async def _reply(
         self, msg_type: MsgType, meta: dict[str, Any], request: dict[str, Any], arrays: Sequence[np.ndarray] = ()
     ) -> None:
-        if "seq" in request:
-            meta["seq"] = request["seq"]
-        await self._send(msg_type, meta, arrays)
+        await self._send(msg_type, _answering(meta, request), arrays)
 
     async def _send(self, msg_type: MsgType, meta: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> None:
         """Send with a deadline: a peer that does not read its reply is closed after the idle timeout."""
@@ -352,6 +351,13 @@ class Session:
             await self._send(MsgType.ERROR, meta)
         except RudraError:
             pass
+
+
+def _answering(meta: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` of a reply to ``request``: with the request's ``seq``, if it had one."""
+    if "seq" in request:
+        meta["seq"] = request["seq"]
+    return meta
 
 
 #: refusals after which the connection is closed (the handshake's)
