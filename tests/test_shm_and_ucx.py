@@ -7,6 +7,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 from multiprocessing import shared_memory
 
@@ -163,6 +164,12 @@ def wait_until(cond, timeout=20.0):
         time.sleep(0.05)
 
 
+def shm_listening(name: str) -> bool:
+    """Whether a server listens on ``shm://NAME`` (its abstract Unix socket is bound)."""
+    with open("/proc/net/unix") as table:
+        return any(line.rstrip().endswith(f"@rudra-async/{name}") for line in table)
+
+
 def test_no_segment_survives_a_crash_of_either_side(tmp_path):
     before = shm_files()
     name = f"crash-{os.getpid()}"
@@ -171,7 +178,7 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
     server = subprocess.Popen([*CLI_ARGS, "server", "--listen", f"shm://{name}"], stderr=log, env=env)
     learners = []
     try:
-        time.sleep(1.5)
+        wait_until(lambda: shm_listening(name), timeout=60)  # a learner finding nobody there exits at once
         learners = [
             subprocess.Popen(
                 [*CLI_ARGS, "learner", "--connect", f"shm://{name}", "--index", str(i)], stdout=log, stderr=log, env=env
@@ -190,6 +197,32 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
         reap(server, *learners)
         log.close()
     assert not (shm_files() - before)
+
+
+KILLED_WHILE_CREATING = """
+import os, signal, _posixshmem
+from multiprocessing import shared_memory
+from rudra_async.transports import shm
+
+def shm_open(name, flags, mode=0o777):
+    fd = real(name, flags, mode)
+    if flags & os.O_CREAT:
+        print(name, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # the segment exists; SharedMemory has not registered it
+    return fd
+
+real, _posixshmem.shm_open = _posixshmem.shm_open, shm_open
+shm._Segment(1 << 20)
+"""
+
+
+def test_a_segment_is_cleaned_up_if_its_owner_is_killed_the_moment_it_is_created():
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_WHILE_CREATING], capture_output=True, text=True, env=subprocess_env(), timeout=60
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    name = proc.stdout.split()[0].lstrip("/")
+    wait_until(lambda: name not in shm_files())  # the owner's resource tracker unlinked it
 
 
 def test_train_over_shm_and_ucx_reaches_tcp_accuracy(tmp_path):

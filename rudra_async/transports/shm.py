@@ -131,12 +131,21 @@ class _Segment:
     """``size`` bytes of shared memory this process owns, followed by its control block."""
 
     def __init__(self, size: int) -> None:
-        # The tracker process that unlinks this process's segments if it is killed must run
-        # before the segment exists: started lazily by the registration, a kill during its
-        # start-up (tens of ms) would leave the new segment in /dev/shm for good.
+        # The tracker process that unlinks this process's segments if it is killed must know
+        # the segment before it exists: started lazily by the registration, a kill during its
+        # start-up (tens of ms) would leave the new segment in /dev/shm for good, and so would
+        # a kill between the segment's creation and its registration (SharedMemory registers
+        # last). Registering twice is harmless (the tracker keeps a set); a name registered but
+        # never created costs the tracker one failed unlink at exit.
         resource_tracker.ensure_running()
+        name = f"rudra-{os.getpid()}-{secrets.token_hex(8)}"
+        resource_tracker.register("/" + name, "shared_memory")
         at = -(-size // 8) * 8
-        self.shm = shared_memory.SharedMemory(create=True, size=at + CONTROL)
+        try:
+            self.shm = shared_memory.SharedMemory(name, create=True, size=at + CONTROL)
+        except BaseException:
+            resource_tracker.unregister("/" + name, "shared_memory")
+            raise
         self.size = size
         self.busy = False
         self.ticket = 0  # of the last body sent in this segment
