@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import signal
 import statistics
 import sys
 import time
@@ -53,9 +54,12 @@ def _serve_echo(url: str, q) -> None:
             f.release()
 
     async def main():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         listener = await transports.listen(url, echo)
         q.put(listener.address)
-        await asyncio.sleep(3600)
+        await stop.wait()
+        await listener.close()  # closes its connections: their shm segments are unlinked here
 
     uvloop.run(main())
 
@@ -186,7 +190,8 @@ def measure(scheme: str, nbytes: int, reps: int) -> tuple[float, float]:
     url = {"tcp": "tcp://127.0.0.1:0", "shm": "shm://", "ucx": "ucx://127.0.0.1:0"}[scheme]
     p, address = in_process(_serve_echo, url)
     ours = statistics.median(uvloop.run(transport_round_trips(address, nbytes, reps)))
-    p.kill()
+    p.terminate()  # the echo closes its listener and connections, then exits
+    p.join(10)
     return base, ours
 
 
