@@ -5,6 +5,10 @@ the numpy and torch backends, next to torch.optim.SGD(fused=True) on the same da
 same run: one optimizer step for c = 1, c separate steps for c = 8 (what a server without a
 fused multi-gradient kernel would do).
 
+Gradient check: the max |g| every push is measured with (``Updater.max_abs``), per backend,
+at 1M and 25M values, next to one ``np.maximum.reduce`` pass over the same array (the
+cost of reading it once) in the same run.
+
 GPU (--gpu): the CuPy kernel's achieved memory bandwidth (bytes it must read and write per
 update / time) as a fraction of the device's copy bandwidth measured in the same run.
 
@@ -48,6 +52,19 @@ def cpu(reps: int) -> None:
                 t = median_time(lambda: up.apply(ww, ww, grads, scales, SGD(1e-4, 0.9, 1e-4)), reps)
                 line += f"   {backend} {n / t / 1e9:6.2f} ({base / t:4.2f}x)"
             print(line)
+
+
+def check(reps: int) -> None:
+    print(f"gradient check (max |g|), median of {reps}; ms, ratio vs one np.max pass")
+    for n in (1_000_000, 25_000_000):
+        g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+        base = median_time(lambda: np.maximum.reduce(g), reps)
+        line = f"  n={n:>10,}:  np.max pass {base * 1e3:7.2f}"
+        for backend in ("numpy", "torch"):
+            up = make_updater(backend, n)
+            t = median_time(lambda: up.max_abs(g), reps)
+            line += f"   {backend} {t * 1e3:7.2f} ({base / t:4.2f}x)"
+        print(line)
 
 
 def gpu(reps: int) -> None:
@@ -94,6 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.no_cpu:
         cpu(args.reps)
+        check(args.reps)
     if args.gpu:
         if not cupy_device_available():
             raise SystemExit("--gpu: no CUDA device visible to CuPy")

@@ -352,7 +352,7 @@ def test_each_learner_has_its_last_request_time_mean_staleness_and_slow_flag():
 
 
 def test_max_abs_reads_block_by_block_and_sees_a_nan_or_inf_in_any_block():
-    from rudra_async.server.core import MAX_ABS_BLOCK, max_abs
+    from rudra_async.kernels import MAX_ABS_BLOCK, max_abs
 
     a = np.linspace(-3.0, 2.0, 3 * MAX_ABS_BLOCK + 5 * 7, dtype=np.float32)
     assert max_abs(a) == 3.0 and max_abs(a[: a.size // 5 * 5].reshape(-1, 5)) == 3.0 and max_abs(a[:0]) == 0.0

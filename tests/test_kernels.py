@@ -198,3 +198,24 @@ def test_torch_update_into_another_buffer_equals_the_update_in_place_bit_for_bit
         b = out
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(in_place.momentum, out_of_place.momentum)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_measures_max_abs_as_the_numpy_reference(backend):
+    from rudra_async.kernels import MAX_ABS_BLOCK, max_abs
+
+    up = make_updater(backend, 4)
+    a = np.linspace(-3.0, 2.0, 2 * MAX_ABS_BLOCK + 7, dtype=np.float32)
+    cases = {"blocks": a, "empty": a[:0], "2-d": a[:12].reshape(3, 4), "strided": a[::3], "f16": a.astype(np.float16)}
+    frozen = a.copy()
+    frozen.flags.writeable = False
+    cases["read-only"] = frozen
+    for where in (0, MAX_ABS_BLOCK + 1, a.size - 1):
+        for bad in (np.nan, np.inf, -np.inf):
+            b = a.copy()
+            b[where] = bad
+            cases[f"{bad} at {where}"] = b
+    for name, x in cases.items():
+        expected, got = max_abs(x), up.max_abs(x)
+        assert (np.isnan(expected) and np.isnan(got)) or got == expected, name
+    assert max_abs(a) == 3.0 and np.isnan(max_abs(cases[f"nan at {a.size - 1}"]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from ..errors import ConfigError
 __all__ = [
     "DEVICES",
     "KERNELS",
+    "MAX_ABS_BLOCK",
     "SGD",
     "Group",
     "HostUpdater",
@@ -36,6 +38,7 @@ __all__ = [
     "as_groups",
     "cupy_device_available",
     "make_updater",
+    "max_abs",
     "preload",
     "resolve",
 ]
@@ -105,6 +108,11 @@ class Updater(abc.ABC):
     def load_momentum(self, v: np.ndarray) -> None:
         """Replace the momentum buffer (``size`` float32 values), e.g. from a checkpoint."""
 
+    def max_abs(self, a: np.ndarray) -> float:
+        """:func:`max_abs` of a host array (a pushed gradient), as fast as this backend can:
+        the same value whatever the backend (max and min are exact)."""
+        return max_abs(a)
+
 
 class HostUpdater(Updater):
     """An updater whose momentum lives in host memory (``self._v``)."""
@@ -121,6 +129,26 @@ class HostUpdater(Updater):
     def load_momentum(self, v: np.ndarray) -> None:
         check_momentum(v, self.size)
         self._v[:] = v
+
+
+#: values per block of :func:`max_abs` (1 MiB of float32): its second reduction reads the cache
+MAX_ABS_BLOCK = 1 << 18
+
+
+def max_abs(a: np.ndarray) -> float:
+    """max |a| of an array as a Python float; NaN if ``a`` holds a NaN, 0.0 if it is empty.
+    Block by block, max then min of each block, so the array is read from memory once (no
+    temporary)."""
+    if not a.size:
+        return 0.0
+    flat, found = a.reshape(-1), 0.0
+    for lo in range(0, flat.size, MAX_ABS_BLOCK):
+        block = flat[lo : lo + MAX_ABS_BLOCK]  # the ufuncs' reduce: not ndarray.max's Python wrapper
+        high, low = float(np.maximum.reduce(block)), float(np.minimum.reduce(block))
+        if math.isnan(high) or math.isnan(low):
+            return math.nan
+        found = max(found, abs(high), abs(low))
+    return found
 
 
 def check_batch(grads: Sequence[np.ndarray], scales: Sequence[float], size: int) -> None:

@@ -28,7 +28,7 @@ from .. import __version__, kernels, registry, schema
 from ..checkpoint import Checkpoint
 from ..config import ServerConfig
 from ..errors import CheckpointError, ConfigError, RequestError, RudraError
-from ..kernels import SGD
+from ..kernels import SGD, max_abs
 from ..layout import Layout, Shard
 from ..logs import rate_limited
 from ..lr import LRPolicy, Schedule
@@ -109,25 +109,6 @@ class PendingGradient:
     def refuse(self, code: str, message: str) -> None:
         self.refusal_code, self.refusal = code, message
         self.settle("refused")
-
-
-#: values per block of :func:`max_abs` (1 MiB of float32): its second reduction reads the cache
-MAX_ABS_BLOCK = 1 << 18
-
-
-def max_abs(a: np.ndarray) -> float:
-    """max |a| of a flat array as a Python float; NaN if ``a`` holds a NaN. Block by block,
-    max then min of each block, so the array is read from memory once (no temporary)."""
-    if not a.size:
-        return 0.0
-    flat, found = a.reshape(-1), 0.0
-    for lo in range(0, flat.size, MAX_ABS_BLOCK):
-        block = flat[lo : lo + MAX_ABS_BLOCK]  # the ufuncs' reduce: not ndarray.max's Python wrapper
-        high, low = float(np.maximum.reduce(block)), float(np.minimum.reduce(block))
-        if math.isnan(high) or math.isnan(low):
-            return math.nan
-        found = max(found, abs(high), abs(low))
-    return found
 
 
 def learner_extra(info: LearnerInfo) -> dict[str, Any]:
@@ -449,7 +430,7 @@ class ServerCore:
         if self.config.max_grad_norm is not None:
             with np.errstate(over="ignore"):  # a norm past float32's range is inf: refused
                 norm = float(np.linalg.norm(grad))
-        return GradientSize(max_abs(grad), norm)
+        return GradientSize(self._need_store().updater.max_abs(grad), norm)
 
     def push(
         self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame, size: GradientSize | None = None
