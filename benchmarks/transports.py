@@ -192,6 +192,9 @@ def measure(scheme: str, nbytes: int, reps: int) -> tuple[float, float]:
     ours = statistics.median(uvloop.run(transport_round_trips(address, nbytes, reps)))
     p.terminate()  # the echo closes its listener and connections, then exits
     p.join(10)
+    if p.is_alive():  # stuck closing: do not leave it (or the run) hanging
+        p.kill()
+        p.join()
     return base, ours
 
 

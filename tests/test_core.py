@@ -349,15 +349,3 @@ def test_each_learner_has_its_last_request_time_mean_staleness_and_slow_flag():
     now[0] = 200.0
     assert core.newly_slow(7.0) == [b]  # a left: never slow
     assert "loss_curve" in core.stats() and "loss_curve" not in core.stats(loss_curve=False)
-
-
-def test_max_abs_reads_block_by_block_and_sees_a_nan_or_inf_in_any_block():
-    from rudra_async.kernels import MAX_ABS_BLOCK, max_abs
-
-    a = np.linspace(-3.0, 2.0, 3 * MAX_ABS_BLOCK + 5 * 7, dtype=np.float32)
-    assert max_abs(a) == 3.0 and max_abs(a[: a.size // 5 * 5].reshape(-1, 5)) == 3.0 and max_abs(a[:0]) == 0.0
-    a[-1] = np.nan  # in the last, partial block
-    assert np.isnan(max_abs(a))
-    a[-1] = -np.inf
-    assert max_abs(a) == np.inf
-    assert max_abs(np.array([-7.5, 2.0], np.float16)) == 7.5

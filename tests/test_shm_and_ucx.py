@@ -1,6 +1,7 @@
 """The shared-memory transport: bodies read in place, segments reused, nothing left in /dev/shm."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -178,7 +179,9 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
     server = subprocess.Popen([*CLI_ARGS, "server", "--listen", f"shm://{name}"], stderr=log, env=env)
     learners = []
     try:
-        wait_until(lambda: shm_listening(name), timeout=60)  # a learner finding nobody there exits at once
+        # a learner finding nobody there exits at once
+        wait_until(lambda: server.poll() is None and shm_listening(name), timeout=60)
+        assert server.poll() is None, "the server died before it listened"
         learners = [
             subprocess.Popen(
                 [*CLI_ARGS, "learner", "--connect", f"shm://{name}", "--index", str(i)], stdout=log, stderr=log, env=env
@@ -216,13 +219,46 @@ shm._Segment(1 << 20)
 """
 
 
-def test_a_segment_is_cleaned_up_if_its_owner_is_killed_the_moment_it_is_created():
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_WHILE_CREATING], capture_output=True, text=True, env=subprocess_env(), timeout=60
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=60
     )
+
+
+def test_a_segment_is_cleaned_up_if_its_owner_is_killed_the_moment_it_is_created():
+    proc = run_python(KILLED_WHILE_CREATING)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     name = proc.stdout.split()[0].lstrip("/")
-    wait_until(lambda: name not in shm_files())  # the owner's resource tracker unlinked it
+    try:
+        wait_until(lambda: name not in shm_files())  # the owner's resource tracker unlinked it
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+FAILS_TO_SIZE = """
+import os
+from rudra_async.transports import shm
+
+def ftruncate(fd, size):
+    raise OSError(28, "No space left on device")
+
+os.ftruncate = ftruncate
+for _ in range(2):
+    try:
+        shm._Segment(1 << 20)
+    except OSError as exc:
+        print(exc)
+"""
+
+
+def test_a_segment_that_cannot_be_sized_is_gone_and_untracked():
+    before = shm_files()
+    proc = run_python(FAILS_TO_SIZE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("No space left") == 2
+    assert "Error" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr  # the tracker had nothing to undo
+    assert not {n for n in shm_files() - before if n.startswith("rudra-")}
 
 
 def test_train_over_shm_and_ucx_reaches_tcp_accuracy(tmp_path):

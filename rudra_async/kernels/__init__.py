@@ -10,8 +10,10 @@ Every backend computes, in one pass over flat float32 buffers, what ``torch.opti
 
 The settings may differ between parameter groups: contiguous ranges [lo, hi) of the flat
 vector, each with its own :class:`SGD` (as ``torch.optim`` parameter groups).
-Gradients may be float32 or float16 (accumulated in float32). This package is the only
-place that imports cupy or decides the device; :func:`resolve` picks a backend.
+Gradients may be float32 or float16 (accumulated in float32). A pushed gradient's max |g|
+(the server's check) is :func:`max_abs`, or a backend's faster ``Updater.max_abs`` of the same
+value. This package is the only place that imports cupy or decides the device;
+:func:`resolve` picks a backend.
 """
 
 from __future__ import annotations

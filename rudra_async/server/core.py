@@ -424,8 +424,9 @@ class ServerCore:
         return fields, frame.arrays[0]
 
     def measure(self, grad: np.ndarray) -> GradientSize:
-        """What the push rules need to know of a gradient's values (reads it once or twice;
-        touches no state, so it may run on another thread)."""
+        """What the push rules need to know of a gradient's values (reads it once or twice,
+        and the updater's stateless ``max_abs``; changes no state, so it may run on another
+        thread)."""
         norm = None
         if self.config.max_grad_norm is not None:
             with np.errstate(over="ignore"):  # a norm past float32's range is inf: refused

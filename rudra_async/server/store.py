@@ -57,7 +57,7 @@ class Background:
         return self._pool.submit(fn, *args)
 
     def check(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run ``fn(*args)``, which reads only its arguments, on the check thread (in order)."""
+        """Run ``fn(*args)``, which changes no shared state, on the check thread (in order)."""
         return self._checks.submit(fn, *args)
 
     def close(self) -> None:

@@ -144,6 +144,10 @@ class _Segment:
         try:
             self.shm = shared_memory.SharedMemory(name, create=True, size=at + CONTROL)
         except BaseException:
+            with contextlib.suppress(OSError):  # SharedMemory may have unlinked it already
+                _posixshmem.shm_unlink("/" + name)
+            # ...and unregistered it: register again so that this unregister always has a name
+            resource_tracker.register("/" + name, "shared_memory")
             resource_tracker.unregister("/" + name, "shared_memory")
             raise
         self.size = size
