@@ -31,7 +31,6 @@ from ..errors import ConfigError
 __all__ = [
     "DEVICES",
     "KERNELS",
-    "MAX_ABS_BLOCK",
     "SGD",
     "Group",
     "HostUpdater",
