@@ -217,7 +217,7 @@ def test_every_backend_measures_max_abs_exactly(backend):
     from rudra_async.kernels import MAX_ABS_BLOCK
 
     up = make_updater(backend, 4)
-    a = np.linspace(-3.0, 2.0, 2 * MAX_ABS_BLOCK + 7, dtype=np.float32)
+    a = np.linspace(-3.0, 2.0, 4 * MAX_ABS_BLOCK + 7, dtype=np.float32)  # above torch_kernel.AMINMAX_MIN_VALUES
     cases = {"blocks": a, "empty": a[:0], "2-d": a[:12].reshape(3, 4), "strided": a[::3], "f16": a.astype(np.float16)}
     frozen = a.copy()
     frozen.flags.writeable = False

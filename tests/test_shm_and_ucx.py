@@ -180,7 +180,7 @@ def test_no_segment_survives_a_crash_of_either_side(tmp_path):
     learners = []
     try:
         # a learner finding nobody there exits at once
-        wait_until(lambda: server.poll() is None and shm_listening(name), timeout=60)
+        wait_until(lambda: server.poll() is not None or shm_listening(name), timeout=60)
         assert server.poll() is None, "the server died before it listened"
         learners = [
             subprocess.Popen(
