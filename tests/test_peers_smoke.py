@@ -16,17 +16,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.torch
-def test_quick_tiny_run_of_rudra_and_ddp_measures_both(tmp_path):
+def test_quick_tiny_run_measures_rudra_with_and_without_overlap_ddp_and_references(tmp_path):
     md, js = tmp_path / "t.md", tmp_path / "t.json"
-    cmd = [sys.executable, "-m", "benchmarks.peers", "--quick", "--tiny", "--only", "rudra:async:tcp,ddp"]
+    systems = "rudra:async:tcp,rudra:async-overlap:tcp,ddp,reference"
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--quick", "--tiny", "--only", systems]
     cmd += ["--workloads", "a", "--lambdas", "2", "--md", str(md), "--json", str(js)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(js.read_text())
     by_system = {r["system"]: r for r in report["results"]}
-    assert set(by_system) == {"rudra:async:tcp", "ddp"}
-    for r in by_system.values():
+    assert set(by_system) == {"rudra:async:tcp", "rudra:async-overlap:tcp", "ddp", "reference"}
+    assert {r["learners"] for r in report["results"] if r["system"] == "reference"} == {1, 2}
+    for r in report["results"]:
         assert "error" not in r, r
         assert r["samples_per_s"] > 0 and r["updates_per_s"] > 0
     assert by_system["rudra:async:tcp"]["server_peak_rss_mb"] > 0
@@ -60,7 +62,9 @@ def test_targets_are_ratios_of_medians_and_failures_are_reported():
         results.append(_result("ddp", "a", 2, samples=100, rep=rep))
         results.append({**_result("rpc:async", "a", 2, rep=rep), "error": "boom\ndetails"})
         results.append(_result("reference", "b", 1, samples=50, rep=rep))
+        results.append(_result("reference", "b", 2, samples=90, rep=rep))
         results.append(_result("rudra:async:shm", "b", 2, samples=99, rep=rep))
+        results.append(_result("rudra:async-overlap:tcp", "b", 2, samples=81, rep=rep))
     summary = driver.summarize(results)
     assert summary["rudra:async:tcp", "a0", 2]["updates_per_s"] == {"median": 10.0, "min": 9.0, "max": 11.0}
     rows = {t["target"]: t for t in driver.targets(summary, [1, 2, 4])}
@@ -72,6 +76,8 @@ def test_targets_are_ratios_of_medians_and_failures_are_reported():
     assert rows["(a) samples/s at λ=2, rudra async shm:// ÷ best peer (ddp)"]["met"] is None  # not measured
     b_shm = rows["(b) samples/s at λ=2, rudra async shm:// ÷ compute limit (2 × single process)"]
     assert b_shm["ratio"] == pytest.approx(0.99) and b_shm["met"] is True
+    b_overlap = rows["(b) samples/s at λ=2, rudra async-overlap tcp:// ÷ compute limit (2 × single process)"]
+    assert b_overlap["ratio"] == pytest.approx(0.81) and b_overlap["met"] is False
     report = {
         "command": "python -m benchmarks.peers",
         "date": "today",
@@ -95,3 +101,22 @@ def test_targets_are_ratios_of_medians_and_failures_are_reported():
     assert "| rudra:async:tcp | 2 | — | 10 (9–11) |" in md
     assert "| rpc:async | 2 | failed: boom | | | | | |" in md
     assert "- rpc:async, a, λ=2: boom ⏎ details" in md
+    # λ references side by side: the host's own limit for λ trainings, next to λ × one process
+    assert "| (b) | 2 | async | shm | 99 | — | 0.99× | 1.10× |" in md
+    assert "| (b) | 2 | async-overlap | tcp | 81 | — | 0.81× | 0.90× |" in md
+
+
+def test_matrix_runs_references_side_by_side_and_overlap_only_where_there_is_compute():
+    args = driver.parse_args(["--only", "rudra:async-overlap:shm,reference", "--lambdas", "2,4"])
+    assert driver.matrix(args) == [
+        ("rudra:async-overlap:shm", "a", 2),
+        ("rudra:async-overlap:shm", "a", 4),
+        ("reference", "a", 1),
+        ("reference", "a", 2),
+        ("reference", "a", 4),
+        ("rudra:async-overlap:shm", "b", 2),
+        ("rudra:async-overlap:shm", "b", 4),
+        ("reference", "b", 1),
+        ("reference", "b", 2),
+        ("reference", "b", 4),
+    ]

@@ -58,6 +58,7 @@ class Spec:
     address: str = ""  # rudra: the server's URL; ddp/rpc: host:port of the rendezvous
     mode: str = ""  # rudra: async | hardsync | softsync; rpc: async | sync; mxnet: dist_async | dist_sync
     n: int = 0  # softsync's n
+    overlap: bool = False  # rudra training learners: DistributedOptimizer(overlap=True)
     tiny: bool = False  # a tiny model for tests
 
     def to_json(self) -> str:

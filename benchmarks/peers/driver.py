@@ -12,13 +12,15 @@ Systems (``--only`` takes a comma-separated list of prefixes of these names):
   the same over ``shm``: a rudra-async server process (``ParameterServer``, torch's fused SGD
   kernel) and λ learner processes (``SyncClient.push_pull`` in (a0) and small; for (a)/(b)
   the user's API, ``rudra_async.torch.DistributedOptimizer``, wrapping the model);
+  ``rudra:async-overlap:tcp`` / ``shm`` ((a) and (b) only): the same with ``overlap=True``;
 - ``ddp``: ``DistributedDataParallel`` over gloo, λ ranks, fused SGD on every rank; in (a0)
   and small, a gloo all-reduce of the fixed gradient plus the fused SGD step;
 - ``rpc:async``, ``rpc:sync``: PyTorch's batch-update parameter-server tutorial over
   ``torch.distributed.rpc`` (TensorPipe): a server process with the model and ``optim.SGD``
   (batch_update_size 1 or λ), trainers ``rpc_sync(update_and_fetch, grads)`` each step;
 - ``mxnet:dist_async``, ``mxnet:dist_sync``: MXNet 1.9.1's kvstore (ps-lite), see below;
-- ``reference``: one process, ``torch.optim.SGD(fused=True)``, the compute limit of (a)/(b).
+- ``reference``: one process, ``torch.optim.SGD(fused=True)``, the compute limit of (a)/(b);
+  at λ > 1, λ of them side by side without communication (what the host gives λ trainings).
 
 Workloads: ``a0`` the parameter server alone (25,175,040 float32 = (a)'s MLP, a fixed
 gradient pushed and the weights pulled, no compute), ``small`` (a 1,000-float push+pull,
@@ -97,7 +99,7 @@ MXNET_REQUIREMENTS = ["mxnet==1.9.1", "numpy<1.24"]
 TORCH_MAIN = "from benchmarks.peers.torch_side import main; main()"
 PIDFILE = Path.home() / ".cache" / "rudra-async-bench" / "running.pids"
 
-RUDRA = [f"rudra:{p}:{t}" for t in ("tcp", "shm") for p in ("async", "hardsync", "softsync2")]
+RUDRA = [f"rudra:{p}:{t}" for t in ("tcp", "shm") for p in ("async", "async-overlap", "hardsync", "softsync2")]
 SYSTEMS = [*RUDRA, "ddp", "rpc:async", "rpc:sync", "mxnet:dist_async", "mxnet:dist_sync", "reference"]
 PEERS = ["ddp", "rpc:async", "rpc:sync", "mxnet:dist_async", "mxnet:dist_sync"]
 WORKLOADS = ["a0", "small", "a", "b"]
@@ -245,13 +247,14 @@ def launch(point: Point, spec: Spec, args: argparse.Namespace) -> None:
     env = torch_env()
     if system.startswith("rudra:"):
         protocol, transport = system.split(":")[1:]
-        mode, n = ("softsync", 2) if protocol == "softsync2" else (protocol, 0)
+        overlap = protocol == "async-overlap"
+        mode, n = ("softsync", 2) if protocol == "softsync2" else ("async" if overlap else protocol, 0)
         listen = "tcp://127.0.0.1:0" if transport == "tcp" else "shm://"
         server_spec = Spec(**{**spec.__dict__, "role": "server", "mode": mode, "n": n, "address": listen})
         point.server = point.start("server", [*py, server_spec.to_json()], env)
         url = wait_line(point.server, "ADDRESS", point, 45)
         for r in range(lam):
-            s = Spec(**{**spec.__dict__, "rank": r, "mode": mode, "n": n, "address": url})
+            s = Spec(**{**spec.__dict__, "rank": r, "mode": mode, "n": n, "address": url, "overlap": overlap})
             point.start(f"learner{r}", [*py, s.to_json()], env)
     elif system == "ddp":
         address = f"127.0.0.1:{free_port()}"
@@ -283,8 +286,9 @@ def launch(point: Point, spec: Spec, args: argparse.Namespace) -> None:
         s = Spec(**{**spec.__dict__, "mode": mode}).to_json()
         for r in range(lam):
             point.start(f"worker{r}", [mx_py, str(HERE / "mxnet_side.py"), s], {**mx_env, "DMLC_ROLE": "worker"})
-    elif system == "reference":
-        point.start("reference", [*py, spec.to_json()], env)
+    elif system == "reference":  # λ independent copies side by side: what the host gives λ trainings
+        for r in range(lam):
+            point.start(f"reference{r}", [*py, Spec(**{**spec.__dict__, "rank": r}).to_json()], env)
     else:
         raise PointError(f"unknown system {system!r}")
 
@@ -487,9 +491,10 @@ def matrix(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     points = []
     for workload in args.workloads:
         for system in args.systems:
-            if system == "reference":
+            if system == "reference" or "overlap" in system:  # training only: compute to measure or overlap
                 if workload in ("a", "b"):
-                    points.append((system, workload, 1))
+                    lams = sorted({1, *args.lambdas}) if system == "reference" else args.lambdas
+                    points.extend((system, workload, lam) for lam in lams)
                 continue
             lambdas = ([2] if system == "ddp" else [1]) if workload == "small" else args.lambdas
             for lam in lambdas:
@@ -578,10 +583,10 @@ def targets(summary: dict, lambdas: list[int]) -> list[dict[str, Any]]:
     peers = {p: med(summary, (p, "a", lam), "samples_per_s") for p in PEERS}
     measured = {p: v for p, v in peers.items() if v is not None}
     best = max(measured, key=lambda p: measured[p]) if measured else None
-    for transport in ("tcp", "shm"):
-        ours = med(summary, (f"rudra:async:{transport}", "a", lam), "samples_per_s")
+    for protocol, transport in LEARNER_MODES:
+        ours = med(summary, (f"rudra:{protocol}:{transport}", "a", lam), "samples_per_s")
         add(
-            f"(a) samples/s at λ=2, rudra async {transport}:// ÷ best peer ({best})",
+            f"(a) samples/s at λ=2, rudra {protocol} {transport}:// ÷ best peer ({best})",
             ours,
             measured.get(best) if best else None,
             1.2,
@@ -589,10 +594,10 @@ def targets(summary: dict, lambdas: list[int]) -> list[dict[str, Any]]:
         )
     ref = med(summary, ("reference", "b", 1), "samples_per_s")
     limit = 2 * ref if ref else None
-    for transport in ("tcp", "shm"):
-        ours = med(summary, (f"rudra:async:{transport}", "b", lam), "samples_per_s")
+    for protocol, transport in LEARNER_MODES:
+        ours = med(summary, (f"rudra:{protocol}:{transport}", "b", lam), "samples_per_s")
         add(
-            f"(b) samples/s at λ=2, rudra async {transport}:// ÷ compute limit (2 × single process)",
+            f"(b) samples/s at λ=2, rudra {protocol} {transport}:// ÷ compute limit (2 × single process)",
             ours,
             limit,
             0.95,
@@ -601,8 +606,12 @@ def targets(summary: dict, lambdas: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+LEARNER_MODES = [(p, t) for p in ("async", "async-overlap") for t in ("tcp", "shm")]
+
+
 def more_ratios(summary: dict, lambdas: list[int]) -> list[str]:
-    """Markdown rows: rudra async over the best peer, and over λ × the single process, at every λ."""
+    """Markdown rows: rudra async (without and with overlap) over the best peer, over λ × the
+    single process, and over λ single processes run side by side, at every λ."""
     rows = []
     for workload in ("a", "b"):
         ref = med(summary, ("reference", workload, 1), "samples_per_s")
@@ -610,13 +619,18 @@ def more_ratios(summary: dict, lambdas: list[int]) -> list[str]:
             peers = {p: med(summary, (p, workload, lam), "samples_per_s") for p in PEERS}
             measured = {p: v for p, v in peers.items() if v}
             best = max(measured, key=lambda p: measured[p]) if measured else None
-            for transport in ("tcp", "shm"):
-                ours = med(summary, (f"rudra:async:{transport}", workload, lam), "samples_per_s")
+            side_by_side = med(summary, ("reference", workload, lam), "samples_per_s")
+            for protocol, transport in LEARNER_MODES:
+                ours = med(summary, (f"rudra:{protocol}:{transport}", workload, lam), "samples_per_s")
                 if ours is None:
                     continue
                 vs_peer = f"{ours / measured[best]:.2f}× {best}" if best else "—"
                 vs_limit = f"{ours / (lam * ref):.2f}×" if ref else "—"
-                rows.append(f"| ({workload}) | {lam} | {transport} | {fmt(ours)} | {vs_peer} | {vs_limit} |")
+                vs_copies = f"{ours / side_by_side:.2f}×" if side_by_side else "—"
+                rows.append(
+                    f"| ({workload}) | {lam} | {protocol} | {transport} | {fmt(ours)} | {vs_peer} | {vs_limit} "
+                    f"| {vs_copies} |"
+                )
     return rows
 
 
@@ -716,8 +730,9 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "## rudra-async async at every λ (ratios of medians)",
             "",
-            "| workload | λ | transport | samples/s | ÷ best peer | ÷ (λ × single process) |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| workload | λ | learners | transport | samples/s | ÷ best peer | ÷ (λ × single process) "
+            "| ÷ λ single processes side by side |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
             *ratios,
         ]
     errors = [(k, e) for k, s in summary.items() for e in s["errors"]]
@@ -736,7 +751,10 @@ SYSTEM_NOTES = [
     "- `rudra:P:T`: one rudra-async server process (`ParameterServer`, protocol P, torch's fused SGD "
     "kernel, 1 thread) and λ learner processes (`SyncClient.push_pull`: one round trip pushes the gradient "
     "and pulls the next weights); training learners wrap the model in `rudra_async.torch.DistributedOptimizer` "
-    "as a user's script does (its default: no overlap of communication with compute). `softsync2`: n = 2, "
+    "as a user's script does (its default: no overlap of communication with compute). `async-overlap`: "
+    "the same with `DistributedOptimizer(overlap=True)` (the paper's adv*): step t's push+pull runs in a "
+    "background thread while step t+1 computes, so each gradient is one more update stale; its push+pull "
+    "column is the time `step()` waits for the previous exchange. `softsync2`: n = 2, "
     "c = ⌊λ/2⌋ gradients per update.",
     "- `ddp`: `DistributedDataParallel` over gloo, λ ranks, `SGD(fused=True)` on each; the all-reduce "
     "overlaps the backward pass. In (a0) and (small): all-reduce of the fixed gradient + the SGD step.",
@@ -750,7 +768,8 @@ SYSTEM_NOTES = [
     "priorities as Gluon's Trainer does, so MXNet's compute speed (oneDNN) is part of its figures. MXNet "
     "runs a Python thread and an engine worker thread per process (`MXNET_CPU_WORKER_NTHREADS=1`).",
     "- `reference`: one process, `torch.optim.SGD(fused=True)` on the same model and batches: the compute "
-    "limit (λ × its samples/s) of the training workloads.",
+    "limit (λ × its samples/s at λ = 1) of the training workloads. At λ > 1: λ such processes side by side, "
+    "independent (no communication): what this host gives λ trainings at once, however they communicate.",
 ]
 
 

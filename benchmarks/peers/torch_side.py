@@ -128,7 +128,7 @@ def rudra_learner(spec: Spec, rec: Recorder) -> None:
     from rudra_async.torch import DistributedOptimizer
 
     model, data = build_model(spec.workload, spec.tiny), Batches(spec.workload, spec.tiny, spec.rank)
-    with DistributedOptimizer(model, spec.address) as opt:  # what a user's script does
+    with DistributedOptimizer(model, spec.address, overlap=spec.overlap) as opt:  # what a user's script does
         while not rec.stopped:
             x, y = data.next()
             opt.zero_grad()
