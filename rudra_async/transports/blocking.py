@@ -5,7 +5,8 @@ cannot tell the difference): ``sendmsg`` over views of the caller's arrays, ``re
 straight into the :class:`~rudra_async.wire.FrameReader`'s buffers. Its ``send`` and
 ``recv`` are coroutines that never suspend: the asyncio :class:`~rudra_async.client.Client`
 runs on it unchanged, driven by :func:`rudra_async.eventloop.run_sync`, without the cost of
-starting an event loop for every request.
+starting an event loop for every request. The first read after a send polls the socket for a
+moment before it blocks (:mod:`.polling`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from ..errors import ConnectError, ConnectionClosed, PeerGone, WireError
 from ..wire import Allocator, Frame, FrameReader, Limits, encode_frame
 from .base import format_host_port
+from .polling import Adaptive
 
 IOV_MAX = 1024  # buffers one sendmsg call takes (Linux allows 1024)
 
@@ -36,6 +38,9 @@ class BlockingConnection:
         self._closed = False
         self._lost: BaseException | None = None
         self._broken: WireError | None = None  # a framing error to raise once the frames before it are taken
+        self._polling = Adaptive()  # the first read after a send polls for a moment (see .polling)
+        self._awaiting = False  # a frame was sent since the last read
+        self._pollable = sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket)
 
     @property
     def allocator(self) -> Allocator | None:
@@ -53,6 +58,7 @@ class BlockingConnection:
         """Send one frame; returns when the kernel has every byte (the arrays may change)."""
         self._check_open()
         views = [memoryview(part).cast("B") for part in encode_frame(msg_type, meta, arrays, self.limits)]
+        self._awaiting = True
         try:
             if isinstance(self._sock, ssl.SSLSocket):  # TLS records: no scatter-gather
                 for view in views:
@@ -76,7 +82,9 @@ class BlockingConnection:
             self._check_open()
             buf = self._reader.get_buffer()
             try:
-                n = self._sock.recv_into(buf)
+                n = self._first_read(buf) if self._awaiting else None
+                if n is None:
+                    n = self._sock.recv_into(buf)
             except TimeoutError:
                 raise  # the caller's deadline (socket timeout) passed
             except OSError as exc:
@@ -94,9 +102,18 @@ class BlockingConnection:
                 self._broken = exc
         return self._frames.pop(0)
 
+    def _first_read(self, buf: memoryview) -> int | None:
+        """The first read after a send: poll for up to one window when that pays (None: nothing came)."""
+        self._awaiting = False
+        if self._pollable and self._polling.polls():
+            return self._polling.poll_recv_into(self._sock, buf)
+        return None
+
     def settimeout(self, seconds: float | None) -> None:
-        """Deadline for each blocking call (None: wait as long as it takes)."""
+        """Deadline for each blocking call (None: wait as long as it takes; only then does
+        the first read after a send poll)."""
         self._sock.settimeout(seconds)
+        self._pollable = seconds is None and not isinstance(self._sock, ssl.SSLSocket)
 
     def close(self) -> None:
         """Close this end. Idempotent; never raises."""

@@ -4,7 +4,8 @@ Incoming bytes go into the :class:`~rudra_async.wire.FrameReader`'s buffers (sma
 through its staging buffer, one read for one or several; a large body straight into its
 final buffer, no copy); outgoing frames go out with ``writelines`` over views of the caller's
 arrays. The write-buffer high-water mark is 0, so ``send`` knows exactly when the OS has
-taken every byte and the arrays may change again.
+taken every byte and the arrays may change again. After each frame sent the loop polls for
+a moment (:mod:`.polling`), so a quick answer does not wait for a sleeping thread.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from ..errors import ConnectError, PeerGone
 from ..wire import FrameReader, Limits, encode_frame
 from .base import Connection, OnAccept, OnConnection, ServingListener, format_host_port
+from .polling import loop_poller
 
 LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
 
@@ -40,6 +42,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._reading_paused = False
         self._scratch: bytearray | None = None  # after a fatal error, input is read into this and dropped
         self._on_made = on_made
+        self._poller = loop_poller()  # keeps the loop awake for a moment after each frame sent
 
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -60,6 +63,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._poller.arrived()
         if self._fatal is not None:
             return
         self._advance(self._reader, nbytes)
@@ -102,6 +106,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         transport = self._transport
         assert transport is not None
         transport.writelines(self._sending(encode_frame(msg_type, meta, arrays, self.limits)))
+        self._poller.sent()
 
     def _on_consumed(self) -> None:
         if self._reading_paused and len(self._inbox) <= self._inbox_frames // 2 and self._transport is not None:
