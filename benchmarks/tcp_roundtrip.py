@@ -8,9 +8,10 @@ framing, no update). The server runs in its own process, like a real deployment.
 
 Prints medians and the ratio rudra/baseline for throughput (higher is better), both for
 the whole round trip and for the transport share (the server's update-kernel time taken
-out), and the small-message round-trip latency. With ``--shards N`` it also times the same
-round trip against a group of N shard servers (one process each) and prints it next to
-the single server's.
+out), and the small-message round-trip latency; for the latter also the raw socket
+busy-polling as rudra-async's connections do (``RUDRA_ASYNC_BUSY_POLL_US``), for context.
+With ``--shards N`` it also times the same round trip against a group of N shard servers
+(one process each) and prints it next to the single server's.
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ from rudra_async.client import connect
 from rudra_async.config import ServerConfig
 from rudra_async.layout import Layout, Shard
 from rudra_async.server import ParameterServer
+from rudra_async.transports import polling
 
 
 # -- baseline: raw uvloop echo of N bytes -------------------------------------------------------
 class _Receiver(asyncio.BufferedProtocol):
-    """Receives messages of exactly ``nbytes`` into one preallocated buffer."""
+    """Receives messages of exactly ``nbytes`` into one preallocated buffer; with ``poll``,
+    its loop busy-polls after each write as rudra-async's connections do."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, poll: bool = False) -> None:
         self.buf = bytearray(nbytes)
         self.pos = 0
+        self.poller = polling.loop_poller() if poll else None
 
     def connection_made(self, transport):
         self.transport = transport
@@ -46,7 +50,14 @@ class _Receiver(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint):
         return memoryview(self.buf)[self.pos :]
 
+    def write(self, data) -> None:
+        self.transport.write(data)
+        if self.poller is not None:
+            self.poller.sent()
+
     def buffer_updated(self, n):
+        if self.poller is not None:
+            self.poller.arrived()
         self.pos += n
         if self.pos == len(self.buf):
             self.pos = 0
@@ -57,12 +68,12 @@ class _Receiver(asyncio.BufferedProtocol):
 
 
 class _Echo(_Receiver):
-    def __init__(self, nbytes: int) -> None:
-        super().__init__(nbytes)
+    def __init__(self, nbytes: int, poll: bool = False) -> None:
+        super().__init__(nbytes, poll)
         self.out = bytearray(nbytes)
 
     def on_message(self) -> None:
-        self.transport.write(self.out)
+        self.write(self.out)
 
 
 class _Client(_Receiver):
@@ -72,24 +83,24 @@ class _Client(_Receiver):
         self.done.set_result(None)
 
 
-def _serve_raw(nbytes: int, port_q) -> None:
+def _serve_raw(nbytes: int, port_q, poll: bool = False) -> None:
     async def main():
-        server = await asyncio.get_running_loop().create_server(lambda: _Echo(nbytes), "127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(lambda: _Echo(nbytes, poll), "127.0.0.1", 0)
         port_q.put(server.sockets[0].getsockname()[1])
         await asyncio.sleep(3600)
 
     uvloop.run(main())
 
 
-async def raw_round_trips(port: int, nbytes: int, reps: int) -> list[float]:
+async def raw_round_trips(port: int, nbytes: int, reps: int, poll: bool = False) -> list[float]:
     loop = asyncio.get_running_loop()
-    _, proto = await loop.create_connection(lambda: _Client(nbytes), "127.0.0.1", port)
+    _, proto = await loop.create_connection(lambda: _Client(nbytes, poll), "127.0.0.1", port)
     payload = bytearray(nbytes)
     times = []
     for _ in range(reps + 1):
         proto.done = loop.create_future()
         t = time.perf_counter()
-        proto.transport.write(payload)
+        proto.write(payload)
         await proto.done
         times.append(time.perf_counter() - t)
     proto.transport.close()
@@ -139,18 +150,25 @@ async def rudra_round_trips(
     return times[1:]
 
 
-def measure(size: int, reps: int) -> dict:
+def raw_median(ctx, nbytes: int, reps: int, poll: bool = False) -> float:
+    """Median seconds per round trip of the raw echo (``poll``: both ends busy-poll)."""
+    port_q = ctx.Queue()
+    raw = ctx.Process(target=_serve_raw, args=(nbytes, port_q, poll), daemon=True)
+    raw.start()
+    raw_times = uvloop.run(raw_round_trips(port_q.get(timeout=30), nbytes, reps, poll))
+    raw.kill()
+    return statistics.median(raw_times)
+
+
+def measure(size: int, reps: int, polled_raw: bool = False) -> dict:
     nbytes = 4 * size
     ctx = mp.get_context("spawn")
-    port_q = ctx.Queue()
-    raw = ctx.Process(target=_serve_raw, args=(nbytes, port_q), daemon=True)
-    raw.start()
-    raw_times = uvloop.run(raw_round_trips(port_q.get(timeout=30), nbytes, reps))
-    raw.kill()
+    raw = raw_median(ctx, nbytes, reps)
     rudra_times, update_per_rt = rudra_group(ctx, size, reps, 1)
     return {
         "bytes_per_rt": 2 * nbytes,
-        "raw": statistics.median(raw_times),
+        "raw": raw,
+        "raw_polled": raw_median(ctx, nbytes, reps, poll=True) if polled_raw else None,
         "rudra": statistics.median(rudra_times),
         "update": update_per_rt,
     }
@@ -216,10 +234,15 @@ def main() -> None:
             f"  {args.shards} shard servers, whole trip: {group * 1e3:8.1f} ms  {gbps(group):6.2f} GB/s   "
             f"ratio {big['raw'] / group:.2f}x raw, {big['rudra'] / group:.2f}x one server (slowest shard's update {update * 1e3:.1f} ms)"
         )
-    small = measure(args.small_floats, args.small_reps)
+    small = measure(args.small_floats, args.small_reps, polled_raw=polling.window() > 0)
     print(f"small message ({4 * args.small_floats} B each way), median of {args.small_reps}")
     print(f"  raw uvloop socket baseline : {small['raw'] * 1e6:8.1f} us")
     print(f"  rudra-async push+pull      : {small['rudra'] * 1e6:8.1f} us   ratio {small['raw'] / small['rudra']:.2f}x")
+    if small["raw_polled"] is not None:  # what the raw socket does with the same busy polling, for context
+        print(
+            f"  raw socket, busy-polling as rudra-async does ({polling.window() * 1e6:g} us window): "
+            f"{small['raw_polled'] * 1e6:8.1f} us   ratio {small['raw_polled'] / small['rudra']:.2f}x"
+        )
 
 
 if __name__ == "__main__":
