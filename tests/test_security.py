@@ -10,7 +10,7 @@ import pytest
 from helpers import free_port, initial_weights, reap, run_cli, run_server, small_layout, start_cli, start_server
 
 from rudra_async import checkpoint, security
-from rudra_async.client import Client
+from rudra_async.client import Client, SyncClient
 from rudra_async.config import ServerConfig
 from rudra_async.errors import ConfigError, ConnectError, RemoteError
 from rudra_async.server import ParameterServer
@@ -81,6 +81,21 @@ async def test_tls_trains_and_every_misconfiguration_is_a_clear_error(pki):
     async with run_server(kernel="numpy") as ps:  # TLS against a plain server
         with pytest.raises(ConnectError, match="TLS"):
             await train_briefly(ps.addresses[0], tls=security.client_tls(pki["ca.pem"]))
+
+
+async def test_a_blocking_client_over_tls_trains_and_never_busy_polls(pki):
+    """The blocking client over TLS (``recv_into`` with flags is refused on a TLS socket, so
+    its first read after a send must not poll) trains like the asyncio one."""
+
+    def train(url):
+        with SyncClient(url, LAYOUT, initial_weights(LAYOUT), tls=security.client_tls(pki["ca.pem"])) as client:
+            w = client.pull()
+            for _ in range(3):
+                w = client.push_pull(np.ones(LAYOUT.size, np.float32), w.timestamp)
+            return w.timestamp, client._client.conn._pollable
+
+    async with tls_server(pki) as ps:
+        assert await asyncio.to_thread(train, ps.addresses[0]) == (3, False)
 
 
 async def test_tls_client_certificates_when_the_server_asks(pki):

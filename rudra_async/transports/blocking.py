@@ -40,7 +40,8 @@ class BlockingConnection:
         self._broken: WireError | None = None  # a framing error to raise once the frames before it are taken
         self._polling = Adaptive()  # the first read after a send polls for a moment (see .polling)
         self._awaiting = False  # a frame was sent since the last read
-        self._pollable = sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket)
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._pollable = sock.gettimeout() is None and not self._tls  # MSG_DONTWAIT: no timeout, no TLS
 
     @property
     def allocator(self) -> Allocator | None:
@@ -60,7 +61,7 @@ class BlockingConnection:
         views = [memoryview(part).cast("B") for part in encode_frame(msg_type, meta, arrays, self.limits)]
         self._awaiting = True
         try:
-            if isinstance(self._sock, ssl.SSLSocket):  # TLS records: no scatter-gather
+            if self._tls:  # TLS records: no scatter-gather
                 for view in views:
                     self._sock.sendall(view)
                 return
@@ -113,7 +114,7 @@ class BlockingConnection:
         """Deadline for each blocking call (None: wait as long as it takes; only then does
         the first read after a send poll)."""
         self._sock.settimeout(seconds)
-        self._pollable = seconds is None and not isinstance(self._sock, ssl.SSLSocket)
+        self._pollable = seconds is None and not self._tls
 
     def close(self) -> None:
         """Close this end. Idempotent; never raises."""

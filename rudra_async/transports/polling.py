@@ -9,7 +9,8 @@ default): an event loop keeps running with a zero poll timeout
 (:class:`LoopPoller`), a blocking connection polls its socket without blocking
 (:meth:`Adaptive.poll_recv_into`), and only then sleeps as usual.
 
-A window costs at most its length in CPU, once per frame sent, and only while polling pays:
+A window costs at most its length in CPU per frame sent (a frame sent while a window is open
+moves its end), and only while polling pays:
 each waiter keeps a credit that a window which caught an arrival raises by one (up to
 ``CREDIT_MAX``) and a window that ran out lowers by ``MISS_COST``; without credit it polls
 only every ``PROBE_EVERY``-th time, until a probe catches an arrival again
@@ -19,8 +20,8 @@ between requests, or an idle one do not poll but for the probes. A
 blocking poller yields its CPU between polls (``sched_yield``), so a process the host must
 run instead (the server a learner waits for, on a busy host) is not held up.
 
-The window is process-wide: ``RUDRA_ASYNC_BUSY_POLL_US`` (microseconds, 0 turns polling off)
-read at import, or :func:`set_window`.
+The window is process-wide: ``RUDRA_ASYNC_BUSY_POLL_US`` (microseconds, 0 turns polling off;
+unset or empty: 300) read when this module is first imported, or :func:`set_window`.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ class Adaptive:
     def poll_recv_into(self, sock: socket.socket, buffer: memoryview) -> int | None:
         """Poll a blocking socket (no timeout, not TLS) for up to one window: the bytes
         ``recv_into`` read, or None when nothing came (the caller then blocks as usual).
-        Raises what ``recv_into`` raises, but ``BlockingIOError``."""
+        Bytes that were already there count neither way. Raises what ``recv_into`` raises,
+        but ``BlockingIOError``."""
         deadline = time.perf_counter() + _window
+        waited = False
         while True:
             try:
                 n = sock.recv_into(buffer, 0, socket.MSG_DONTWAIT)
@@ -109,20 +112,22 @@ class Adaptive:
                 if time.perf_counter() >= deadline:
                     self.missed()
                     return None
+                waited = True
                 os.sched_yield()
                 continue
-            self.caught()
+            if waited:
+                self.caught()
             return n
 
 
 class LoopPoller:
-    """Keeps an event loop from sleeping for one window after a frame is sent: the loop
-    runs a tick callback after another, so it polls its sockets with a zero timeout, until
-    something arrives (:meth:`arrived`) or the window runs out. One per loop
-    (:func:`loop_poller`), shared by its connections."""
+    """Keeps the running event loop from sleeping for one window after a frame is sent: the
+    loop runs a tick callback after another, so it polls its sockets with a zero timeout,
+    until something arrives on any of its connections (:meth:`arrived`) or the window runs
+    out. One per loop (:func:`loop_poller`), shared by its connections; used only on its
+    loop's thread. It holds no reference to the loop (a closed loop is freed)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self._adaptive = Adaptive()
         self._until = 0.0  # when the current window ends; 0: none open
         self._ticking = False
@@ -134,7 +139,7 @@ class LoopPoller:
         self._until = time.perf_counter() + _window
         if not self._ticking:
             self._ticking = True
-            self._loop.call_soon(self._tick)
+            asyncio.get_running_loop().call_soon(self._tick)
 
     def arrived(self) -> None:
         """Bytes arrived: the loop is awake, the window has done its job."""
@@ -145,7 +150,7 @@ class LoopPoller:
     def _tick(self) -> None:
         until = self._until
         if until and time.perf_counter() < until:
-            self._loop.call_soon(self._tick)
+            asyncio.get_running_loop().call_soon(self._tick)
             return
         self._ticking = False
         if until:  # ran out with nothing arriving
@@ -161,5 +166,5 @@ def loop_poller() -> LoopPoller:
     loop = asyncio.get_running_loop()
     poller = _pollers.get(loop)
     if poller is None:
-        poller = _pollers[loop] = LoopPoller(loop)
+        poller = _pollers[loop] = LoopPoller()
     return poller
