@@ -41,7 +41,6 @@ class BlockingConnection:
         self._polling = Adaptive()  # the first read after a send polls for a moment (see .polling)
         self._awaiting = False  # a frame was sent since the last read
         self._tls = isinstance(sock, ssl.SSLSocket)
-        self._pollable = sock.gettimeout() is None and not self._tls  # MSG_DONTWAIT: no timeout, no TLS
 
     @property
     def allocator(self) -> Allocator | None:
@@ -110,11 +109,15 @@ class BlockingConnection:
             return self._polling.poll_recv_into(self._sock, buf)
         return None
 
+    @property
+    def _pollable(self) -> bool:
+        """Whether reads may poll with ``MSG_DONTWAIT``: not under a socket timeout, not over TLS."""
+        return not self._tls and self._sock.gettimeout() is None
+
     def settimeout(self, seconds: float | None) -> None:
         """Deadline for each blocking call (None: wait as long as it takes; only then does
         the first read after a send poll)."""
         self._sock.settimeout(seconds)
-        self._pollable = seconds is None and not self._tls
 
     def close(self) -> None:
         """Close this end. Idempotent; never raises."""

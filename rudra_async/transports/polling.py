@@ -44,6 +44,13 @@ DEFAULT_WINDOW_US = 300.0
 ENV = "RUDRA_ASYNC_BUSY_POLL_US"
 
 
+def _checked(seconds: float, source: str) -> float:
+    """``seconds`` if it is a window (0 to 1 s), else a ConfigError naming ``source``."""
+    if not 0 <= seconds <= 1:
+        raise ConfigError(f"{source} must be between 0 and 1 s (1000000 us), got {seconds!r} s")
+    return seconds
+
+
 def _window_from_env() -> float:
     text = os.environ.get(ENV, "")
     if not text:
@@ -52,9 +59,7 @@ def _window_from_env() -> float:
         us = float(text)
     except ValueError:
         raise ConfigError(f"{ENV} must be a number of microseconds, got {text!r}") from None
-    if not 0 <= us <= 1e6:
-        raise ConfigError(f"{ENV} must be between 0 and 1000000 microseconds, got {text!r}")
-    return us * 1e-6
+    return _checked(us * 1e-6, ENV)
 
 
 _window = _window_from_env()
@@ -68,9 +73,7 @@ def window() -> float:
 def set_window(seconds: float) -> None:
     """Set the polling window of this process (0 turns polling off); applies to the next wait."""
     global _window
-    if not 0 <= seconds <= 1:
-        raise ConfigError(f"the busy-poll window must be between 0 and 1 s, got {seconds!r}")
-    _window = seconds
+    _window = _checked(seconds, "the busy-poll window")
 
 
 class Adaptive:
