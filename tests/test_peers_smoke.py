@@ -48,6 +48,15 @@ def _result(system, workload, lam, samples=None, updates=None, latency=None, rep
     }
 
 
+def _cpu(learners, server, learner_share, server_share=None):
+    return {
+        "learners_cpu_s_per_gradient": learners,
+        "server_cpu_s_per_gradient": server,
+        "learner_cpu_share": learner_share,
+        "server_cpu_share": server_share,
+    }
+
+
 def test_targets_are_ratios_of_medians_and_failures_are_reported():
     results = []
     for rep, noise in enumerate((1.0, 1.1, 0.9)):
@@ -61,9 +70,10 @@ def test_targets_are_ratios_of_medians_and_failures_are_reported():
         results.append(_result("rudra:async:tcp", "a", 2, samples=120, rep=rep))
         results.append(_result("ddp", "a", 2, samples=100, rep=rep))
         results.append({**_result("rpc:async", "a", 2, rep=rep), "error": "boom\ndetails"})
-        results.append(_result("reference", "b", 1, samples=50, rep=rep))
+        results.append({**_result("reference", "b", 1, samples=50, rep=rep), **_cpu(0.02 * noise, None, 1.0)})
         results.append(_result("reference", "b", 2, samples=90, rep=rep))
-        results.append(_result("rudra:async:shm", "b", 2, samples=99, rep=rep))
+        results.append({**_result("rudra:async:shm", "b", 2, samples=99, rep=rep), **_cpu(0.021, 0.001, 0.95, 0.05)})
+        results.append({**_result("ddp", "b", 2, samples=70, rep=rep), **_cpu(0.04, None, 0.9)})
         results.append(_result("rudra:async-overlap:tcp", "b", 2, samples=81, rep=rep))
     summary = driver.summarize(results)
     assert summary["rudra:async:tcp", "a0", 2]["updates_per_s"] == {"median": 10.0, "min": 9.0, "max": 11.0}
@@ -102,8 +112,13 @@ def test_targets_are_ratios_of_medians_and_failures_are_reported():
     assert "| rpc:async | 2 | failed: boom | | | | | |" in md
     assert "- rpc:async, a, λ=2: boom ⏎ details" in md
     # λ references side by side: the host's own limit for λ trainings, next to λ × one process
-    assert "| (b) | 2 | async | shm | 99 | — | 0.99× | 1.10× |" in md
-    assert "| (b) | 2 | async-overlap | tcp | 81 | — | 0.81× | 0.90× |" in md
+    assert "| (b) | 2 | async | shm | 99 | 1.41× ddp | 0.99× | 1.10× |" in md
+    assert "| (b) | 2 | async-overlap | tcp | 81 | 1.16× ddp | 0.81× | 0.90× |" in md
+    # where the CPU goes: per gradient, over the reference's CPU per step (median 20 ms), and
+    # the samples/s two cores allow at that cost (2 × batch 32 ÷ CPU per gradient)
+    assert "compute, update and nothing else: (b) 20 ms)" in md
+    assert "| (b) | rudra:async:shm | 2 | 21 | 1 | 22 | 1.10× | 1.95 | 99 | 2,909 |" in md
+    assert "| (b) | ddp | 2 | 40 | — | 40 | 2.00× | 1.8 | 70 | 1,600 |" in md
 
 
 def test_matrix_runs_references_side_by_side_and_overlap_only_where_there_is_compute():

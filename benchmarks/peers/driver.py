@@ -434,6 +434,8 @@ def window(
         "server_cpu_s_per_update": None if math.isnan(cpu0) else (cpu1 - cpu0) / (updates * (t1 - t0)),
         "server_cpu_share": None if math.isnan(cpu0) else (cpu1 - cpu0) / (t1 - t0),
         "learner_cpu_share": statistics.mean(learner_cpu) / (t1 - t0),
+        "server_cpu_s_per_gradient": None if math.isnan(cpu0) else (cpu1 - cpu0) / (grads * (t1 - t0)),
+        "learners_cpu_s_per_gradient": sum(learner_cpu) / (grads * (t1 - t0)),
         "window_s": t1 - t0,
         "per_learner_steps_per_s": rates,
     }
@@ -534,6 +536,8 @@ FIGURES = [
     "server_cpu_s_per_update",
     "server_cpu_share",
     "learner_cpu_share",
+    "server_cpu_s_per_gradient",
+    "learners_cpu_s_per_gradient",
 ]
 
 
@@ -630,6 +634,34 @@ def more_ratios(summary: dict, lambdas: list[int]) -> list[str]:
                 rows.append(
                     f"| ({workload}) | {lam} | {protocol} | {transport} | {fmt(ours)} | {vs_peer} | {vs_limit} "
                     f"| {vs_copies} |"
+                )
+    return rows
+
+
+def cpu_budget(summary: dict, lambdas: list[int], cores: int) -> list[str]:
+    """Markdown rows: where the CPU of each training point goes. Per gradient (one learner
+    step): the learners' and the server's CPU, their sum over the reference's CPU per step
+    (the compute), the cores busy, and the samples/s the host's cores allow at that cost."""
+    rows = []
+    for workload in ("a", "b"):
+        compute = med(summary, ("reference", workload, 1), "learners_cpu_s_per_gradient")
+        for lam in lambdas:
+            for system in SYSTEMS:
+                s = summary.get((system, workload, lam))
+                learners = med(summary, (system, workload, lam), "learners_cpu_s_per_gradient")
+                if s is None or learners is None or system == "reference":
+                    continue
+                server = med(summary, (system, workload, lam), "server_cpu_s_per_gradient") or 0.0
+                total = learners + server
+                busy = lam * med(summary, (system, workload, lam), "learner_cpu_share") + (
+                    med(summary, (system, workload, lam), "server_cpu_share") or 0.0
+                )
+                over = f"{total / compute:.2f}×" if compute else "—"
+                allowed = cores * BATCH[workload] / total
+                rows.append(
+                    f"| ({workload}) | {system} | {lam} | {fmt(learners * 1e3)} | "
+                    f"{fmt(server * 1e3) if server else '—'} | {fmt(total * 1e3)} | {over} | {fmt(busy)} | "
+                    f"{fmt(med(summary, (system, workload, lam), 'samples_per_s'))} | {fmt(allowed)} |"
                 )
     return rows
 
@@ -734,6 +766,27 @@ def markdown(report: dict[str, Any]) -> str:
             "| ÷ λ single processes side by side |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
             *ratios,
+        ]
+    budget = cpu_budget(summary, report.get("lambdas", [1, 2, 4]), m["cores"])
+    if budget:
+        compute = {w: med(summary, ("reference", w, 1), "learners_cpu_s_per_gradient") for w in ("a", "b")}
+        lines += [
+            "",
+            "## Where the CPU goes (training workloads)",
+            "",
+            "Per gradient (one learner step), the CPU seconds of all learners and of the server process "
+            "(MXNet: its server, not the scheduler) over the window ÷ gradients in it; ÷ compute: that sum over "
+            "the single-process reference's CPU per step (compute, update and nothing else: "
+            + ", ".join(f"({w}) {fmt(c * 1e3)} ms" for w, c in compute.items() if c)
+            + "). What exceeds 1× is what communicating costs, whichever process pays it (loopback TCP: the "
+            "kernel's copies of every byte on both sides). Cores busy: the server's and learners' CPU ÷ window "
+            f"seconds; where it is near {m['cores']} (all cores), the point is CPU-bound and its samples/s "
+            f"cannot pass {m['cores']} × batch ÷ CPU per gradient (last column).",
+            "",
+            "| workload | system | λ | CPU ms per gradient: learners | server | all | ÷ compute | cores busy "
+            "| samples/s | samples/s the cores allow at this cost |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *budget,
         ]
     errors = [(k, e) for k, s in summary.items() for e in s["errors"]]
     retried = [(k, e) for k, s in summary.items() for e in s.get("retried", [])]
