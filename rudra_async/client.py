@@ -29,6 +29,7 @@ from .wire import Allocator, Frame, Limits, MsgType
 __all__ = [
     "Ack",
     "Client",
+    "Gradient",
     "ShardedClient",
     "Stamp",
     "SyncClient",
@@ -41,6 +42,24 @@ T = TypeVar("T")
 
 
 Stamp = Union[int, tuple[int, ...]]  # noqa: UP007 (a runtime alias: X | Y needs Python 3.10 types)  # a server clock; one per shard for a sharded group
+
+
+#: a gradient: one array, or its parts end to end (e.g. each tensor's gradient, in layout order)
+Gradient = Union[np.ndarray, Sequence[np.ndarray]]  # noqa: UP007 (a runtime alias, as Stamp)
+
+
+def gradient_segments(grad: Gradient, lo: int = 0, hi: int | None = None) -> list[np.ndarray]:
+    """Values ``[lo, hi)`` of ``grad`` as a PUSH's one-dimensional segments: views of its
+    parts, nothing gathered (docs/wire.md: a gradient may be several segments)."""
+    parts = [grad] if isinstance(grad, np.ndarray) else grad
+    out, start = [], 0
+    for part in parts:
+        flat = part.reshape(-1)
+        end = start + flat.size
+        if end > lo and (hi is None or start < hi):
+            out.append(flat[max(lo - start, 0) : (flat.size if hi is None else min(hi, end) - start)])
+        start = end
+    return out
 
 
 def scalar(stamp: Stamp) -> int:
@@ -217,23 +236,25 @@ class Client:
         return self._weights(await self._request(MsgType.PULL, {"newer_than": scalar(newer_than)}))
 
     async def push(
-        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Ack:
         """Push a gradient computed on weights stamped ``timestamp`` over ``samples`` examples
-        (``loss``, the mini-batch's training loss, feeds the server's loss curve)."""
+        (``loss``, the mini-batch's training loss, feeds the server's loss curve). ``grad``:
+        one float32 (or float16) array of the layout's size, or its parts end to end (each
+        tensor's gradient, in layout order), sent as they are, without gathering them."""
         meta = self._push_meta(timestamp, step, samples, False, loss)
-        reply = _check(await self._request(MsgType.PUSH, meta, [grad]), MsgType.ACK)
+        reply = _check(await self._request(MsgType.PUSH, meta, gradient_segments(grad)), MsgType.ACK)
         reply.release()
         m = reply.meta
         return Ack(m["timestamp"], m["status"], m.get("staleness"), bool(m.get("stop")))
 
     async def push_pull(
-        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Weights:
         """Push a gradient and get the weights the protocol lets this learner have next, in one
         round trip (for hardsync: the weights after this round's update)."""
         meta = self._push_meta(timestamp, step, samples, True, loss)
-        return self._weights(await self._request(MsgType.PUSH, meta, [grad]))
+        return self._weights(await self._request(MsgType.PUSH, meta, gradient_segments(grad)))
 
     def _push_meta(self, timestamp: Stamp, step: int, samples: int, pull: bool, loss: float | None) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -396,18 +417,17 @@ class ShardedClient:
         return self._combine(await _all(c.pull(n) for c, n in zip(self.clients, self._per_shard(newer_than))))
 
     async def _to_every_shard(
-        self, method: str, grad: np.ndarray, timestamp: Stamp, step: int, samples: int, loss: float | None
+        self, method: str, grad: Gradient, timestamp: Stamp, step: int, samples: int, loss: float | None
     ) -> list[Any]:
         """Call ``Client.<method>`` on every shard with its part of ``grad`` and its own stamp
         (the loss goes to shard 0 only, for its loss curve)."""
-        flat = grad.reshape(-1)
         return await _all(
-            getattr(c, method)(flat[c.range[0] : c.range[1]], t, step, samples, loss if i == 0 else None)
+            getattr(c, method)(gradient_segments(grad, *c.range), t, step, samples, loss if i == 0 else None)
             for i, (c, t) in enumerate(zip(self.clients, self._per_shard(timestamp)))
         )
 
     async def push(
-        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Ack:
         acks = await self._to_every_shard("push", grad, timestamp, step, samples, loss)
         statuses = {a.status for a in acks}
@@ -421,7 +441,7 @@ class ShardedClient:
         )
 
     async def push_pull(
-        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Weights:
         return self._combine(await self._to_every_shard("push_pull", grad, timestamp, step, samples, loss))
 
@@ -536,14 +556,12 @@ class SyncClient:
         weights: Weights = self._run(self._client.pull(newer_than))
         return weights
 
-    def push(
-        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
-    ) -> Ack:
+    def push(self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None) -> Ack:
         ack: Ack = self._run(self._client.push(grad, timestamp, step, samples, loss))
         return ack
 
     def push_pull(
-        self, grad: np.ndarray, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Weights:
         weights: Weights = self._run(self._client.push_pull(grad, timestamp, step, samples, loss))
         return weights

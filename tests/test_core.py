@@ -37,7 +37,8 @@ def hello(core: ServerCore, initial=W0, layout=LAYOUT, **meta):
 
 
 def push(core: ServerCore, learner, grad, **meta):
-    f = frame(MsgType.PUSH, {"timestamp": core.clock, **meta}, [grad])
+    """``grad``: one array, or a list of arrays sent as the gradient's segments."""
+    f = frame(MsgType.PUSH, {"timestamp": core.clock, **meta}, grad if isinstance(grad, list) else [grad])
     return core.push(learner, f.meta, f)
 
 
@@ -91,10 +92,18 @@ def test_every_push_refusal_has_its_code_and_changes_nothing():
             lambda: push(core, learner, good, timestamp=-1),
             lambda: push(core, learner, good, timestamp=1),
         ],
-        "bad_shape": [lambda: push(core, learner, good[:-1]), lambda: push(core, learner, good.reshape(3, 3))],
+        "bad_shape": [
+            lambda: push(core, learner, good[:-1]),
+            lambda: push(core, learner, good.reshape(3, 3)),
+            lambda: push(core, learner, [good[:4], good[5:]]),  # segments one value short
+            lambda: push(core, learner, [good[:4], good[4:], good[:1]]),  # one value too many
+            lambda: push(core, learner, [good[:4].reshape(2, 2), good[4:]]),  # not one-dimensional
+            lambda: push(core, learner, []),
+        ],
         "bad_dtype": [
             lambda: push(core, learner, good.astype(np.float64)),
             lambda: push(core, learner, good.astype(np.int32)),
+            lambda: push(core, learner, [good[:4], good[4:].astype(np.float16)]),  # a mix
         ],
         "bad_gradient": [
             lambda: push(core, learner, nan),
@@ -128,6 +137,20 @@ def test_an_update_follows_sgd_and_is_accounted():
     assert (stats["updates"], stats["gradients"], stats["samples"]) == (2, 2, 4)
     assert stats["staleness_histogram"] == {"0": 1, "1": 1}
     assert stats["learners"]["0"]["gradients"] == 2 and stats["loss_curve"] == [[0, 2.5]]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_gradient_in_segments_is_applied_as_their_values_end_to_end(dtype):
+    """A learner may push each tensor's gradient as its own segment (docs/wire.md): the
+    update is the one of the single concatenated array, bit for bit."""
+    g = np.linspace(-1, 1, LAYOUT.size).astype(dtype)
+    cores = [ServerCore(ServerConfig(kernel="numpy", lr=0.5, momentum=0.9)) for _ in range(2)]
+    learners = [hello(core) for core in cores]
+    for _ in range(3):
+        push(cores[0], learners[0], g)
+        push(cores[1], learners[1], [g[:6], g[6:6], g[6:]])  # the layout's w, an empty one, b
+    np.testing.assert_array_equal(cores[0].store.weights, cores[1].store.weights)
+    assert cores[1].clock == 3
 
 
 def test_snapshot_and_restore_continue_the_run_bit_for_bit():

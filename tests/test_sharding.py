@@ -75,6 +75,25 @@ async def test_a_sharded_group_computes_what_one_server_does(count):
     np.testing.assert_allclose(sharded, single, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("count", [1, 3])
+async def test_a_gradient_given_in_parts_pushes_what_the_whole_array_does(count):
+    """Parts cut anywhere (not at shard bounds, one of them empty, one 2-D) go to each shard
+    as views of its range: the same weights, bit for bit, as pushing the gathered array."""
+    layout = small_layout()
+    w0 = initial_weights(layout)
+    grads = [g[0] for g, _ in random_batches(layout.size, 5, 2)]
+    cuts = [0, 3, 3, 9, layout.size - 2, layout.size]  # layout.size is 16
+    parts = [[g[lo:hi] for lo, hi in itertools.pairwise(cuts)] for g in grads]
+    for p in parts:
+        p[1], p[2] = p[1].reshape(0, 4), p[2].reshape(-1, 2)  # an empty part, a 2-D one (6 values)
+    async with run_group(count, protocol="async", **SGD) as (_, url):
+        whole, _ = await push_sequence(url, layout, grads, w0)
+    async with run_group(count, protocol="async", **SGD) as (_, url):
+        in_parts, _ = await push_sequence(url, layout, parts, w0)
+    np.testing.assert_array_equal(in_parts, whole)
+    assert not np.array_equal(whole, w0)
+
+
 @pytest.mark.torch
 async def test_sharded_hardsync_equals_torch_sgd_on_the_combined_gradient():
     layout, learners, steps = small_layout(), 3, 6

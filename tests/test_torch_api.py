@@ -3,6 +3,7 @@ shards and bad input, with real servers on loopback and learners in threads."""
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -165,6 +166,41 @@ def test_an_unused_layer_and_a_mismatched_optimizer_are_clear_errors():
         with pytest.raises(LearnerError, match="the server applies SGD; Adam cannot be run there"):
             rt.DistributedOptimizer(plain, ps.addresses[0], optimizer=torch.optim.Adam(plain.parameters()))
         assert ps.clock == 0 and ps.stats()["gradients"] == 0
+
+
+@pytest.mark.parametrize("zeroing", ["ours", "torch set_to_none", "torch in place"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_server_applies_exactly_the_gradients_backward_computed(overlap, zeroing):
+    """Each tensor's .grad goes out as it is; with overlap the exchange (slowed here) still
+    holds step t's gradients while step t+1's backward runs, however the user zeroes
+    gradients. Async with one learner applies the pushes in order, so the server's weights
+    are SGD replayed on the gradients recorded at each step."""
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
+    model = net()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    torch_opt = torch.optim.SGD(trained, lr=0.1, momentum=0.9)
+    recorded = []
+    with server_thread(protocol="async", lr=0.1, momentum=0.9, kernel="numpy") as ps:
+        with rt.DistributedOptimizer(model, ps.addresses[0], optimizer=torch_opt, overlap=overlap) as opt:
+            replay = [p.detach().clone() for p in trained]  # the initial weights
+            exchange = opt.client.push_pull
+            opt.client.push_pull = lambda *a: (time.sleep(0.02), exchange(*a))[1]
+            for k in range(5):
+                if zeroing == "ours":
+                    opt.zero_grad()
+                else:
+                    torch_opt.zero_grad(set_to_none=zeroing == "torch set_to_none")
+                nn.functional.cross_entropy(model(x[8 * k : 8 * k + 8]), y[8 * k : 8 * k + 8]).backward()
+                recorded.append([p.grad.clone() for p in trained])
+                assert opt.step(samples=8)
+        final = ps.core.store.weights.copy()
+    sgd = torch.optim.SGD(replay, lr=0.1, momentum=0.9)
+    for grads in recorded:
+        for p, g in zip(replay, grads):
+            p.grad = g
+        sgd.step()
+    np.testing.assert_allclose(final, torch.cat([p.reshape(-1) for p in replay]).numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_a_torch_zero_grad_that_sets_gradients_to_none_is_tolerated():

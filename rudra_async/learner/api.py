@@ -22,7 +22,9 @@ with ``broadcast_buffers=False``; evaluate with the buffers of one learner, or r
 
 **Overlap** (the paper's "adv*"): with ``overlap=True`` the push and pull of step t run in
 a background thread while step t+1 computes on the weights already at hand; each gradient is
-then one more update stale. Weights and gradients are double-buffered, so nothing is copied.
+then one more update stale. The weights are double-buffered and the exchange keeps the
+gradient tensors it sends (the parameters' ``.grad`` is None after such a step), so nothing
+is copied.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..client import Stamp, SyncClient, Weights, went_back
+from ..client import Gradient, Stamp, SyncClient, Weights, went_back
 from ..errors import LearnerError, RemoteError, TransportError
 from .binding import FlatParameters
 
@@ -125,7 +127,7 @@ class DistributedOptimizer:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "rudra-exchange") if overlap else None
         self._pending: concurrent.futures.Future[Weights] | None = None
         cpu_overlap = overlap and self.flat.on_cpu
-        self._spare = (torch.empty_like(self.flat.weights), torch.zeros_like(self.flat.grads)) if cpu_overlap else None
+        self._spare = torch.empty_like(self.flat.weights) if cpu_overlap else None  # the other weights buffer
         try:
             self.client = self._call(
                 lambda: SyncClient(
@@ -169,20 +171,21 @@ class DistributedOptimizer:
     def _overlapped_step(self, stamp: Stamp, step: int, samples: int, loss: float | None) -> bool:
         """Wait for the previous exchange, give the model the weights it brought, and start this
         step's exchange with the gradient just computed. On the CPU the model and the exchange
-        use alternate buffers (nothing is copied); on a device the exchange uses the host staging."""
+        use alternate weights buffers and the exchange keeps the gradient tensors, which the
+        model lets go of (nothing is copied); on a device the exchange uses the host staging."""
         assert self._worker is not None
         received = self._pending.result() if self._pending is not None else None
         self._pending = None
         grads = self.flat.gradients()  # the previous exchange is over: the staging buffers are free
         receive_into = self.flat.host_weights
-        if self._spare is not None:  # CPU: swap the model onto the spare pair
-            sent_weights, sent_grads = self.flat.weights, self.flat.grads
-            spare_weights, spare_grads = self._spare
+        if self._spare is not None:  # CPU: swap the model onto the spare weights
+            sent_weights, spare_weights = self.flat.weights, self._spare
             if received is None:  # first step: go on computing on the weights at hand
                 spare_weights.copy_(sent_weights)
-            self.flat.bind(spare_weights, spare_grads)
-            self._spare = (sent_weights, sent_grads)
+            self.flat.bind(spare_weights)
+            self._spare = sent_weights
             receive_into = sent_weights.numpy()  # the weights the model no longer uses
+            self.flat.release_gradients()  # the next backward cannot write into what is being sent
         if received is not None:
             self._arrived(received, wait=True)  # the next exchange reuses the host staging
             if self.stopped:
@@ -191,12 +194,12 @@ class DistributedOptimizer:
         return True
 
     def _send_from(
-        self, grads: np.ndarray, weights_in: np.ndarray, stamp: Stamp, step: int, samples: int, loss: float | None
+        self, grads: Gradient, weights_in: np.ndarray, stamp: Stamp, step: int, samples: int, loss: float | None
     ) -> Weights:
         self.client.set_weights_buffer(weights_in)
         return self._exchange(grads, stamp, step, samples, loss)
 
-    def _exchange(self, grads: np.ndarray, stamp: Stamp, step: int, samples: int, loss: float | None) -> Weights:
+    def _exchange(self, grads: Gradient, stamp: Stamp, step: int, samples: int, loss: float | None) -> Weights:
         """push+pull, surviving a lost server for ``reconnect`` seconds (the gradient is then lost)."""
         try:
             weights = self.client.push_pull(grads, stamp, step, samples, loss)

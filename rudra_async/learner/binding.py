@@ -1,12 +1,15 @@
-"""A module's trainable parameters bound to flat float32 buffers, so the model moves to and
-from the wire as one buffer each way.
+"""A module's trainable parameters bound to a flat float32 weights buffer, so pulled
+weights land in the model as one buffer, and the gradients go out as they are.
 
-On the CPU the model's parameter memory *is* the flat weights buffer and backward
-accumulates straight into the flat gradient buffer: pushing and pulling copy nothing on the
-learner. On another device the flat buffers live on the device; :meth:`FlatParameters.gradients`
-copies the gradient into a reused host buffer (pinned, on a side stream, for CUDA) and
+On the CPU the model's parameter memory *is* the flat weights buffer, and the gradient is
+pushed as the tensors' own ``.grad`` (one wire segment each, docs/wire.md): backward
+writes each gradient once and nothing is zeroed, accumulated into or gathered. (Binding
+``.grad`` to a flat buffer instead makes every backward add into it: at 25M values a
+third more backward time on one thread, ``benchmarks/peers`` workload (a).) On another
+device the flat buffers live on the device; :meth:`FlatParameters.gradients` copies the
+gradient into a reused host buffer (pinned, on a side stream, for CUDA) and
 :meth:`FlatParameters.load` copies received weights back the same way. Nothing is
-allocated per step.
+allocated per step but the gradients backward creates.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from ..layout import Layout
 class FlatParameters:
     """``named`` parameters (in this order; all float32, on one device) bound to flat buffers.
 
-    ``host_weights`` receives pulled weights and ``host_grads`` holds the gradient to push
-    (on the CPU, views of the model's own memory). Every parameter must get a gradient from
-    each backward pass; one that did not is reported by name (an unused layer: freeze it).
+    ``host_weights`` receives pulled weights (on the CPU, the model's own memory);
+    :meth:`gradients` gives what to push. Every parameter must get a gradient from each
+    backward pass; one that did not is reported by name (an unused layer: freeze it).
     """
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
@@ -42,71 +45,104 @@ class FlatParameters:
                 raise LearnerError(f"parameter {name!r} is on {p.device}, others on {self.device}: use one device")
         self.layout = Layout.from_shapes((n, tuple(p.shape)) for n, p in named)
         self.weights = torch.empty(self.layout.size, dtype=torch.float32, device=self.device)
-        self.grads = torch.zeros(self.layout.size, dtype=torch.float32, device=self.device)
         for p, t in zip(self.params, self.layout.tensors):
             self.weights[t.offset : t.offset + t.size].copy_(p.detach().reshape(-1))
         self._touched = [False] * len(self.params)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _, i=i: self._touch(i))
-        self._copier = _DeviceCopier(self.weights, self.grads) if self.device.type != "cpu" else None
-        self.bind(self.weights, self.grads)
+        self._device: _DeviceGradients | None = None
+        if self.device.type != "cpu":
+            self._device = _DeviceGradients(self.params, self.layout, self.weights)
+        self.bind(self.weights)
 
     @property
     def on_cpu(self) -> bool:
-        return self._copier is None
+        return self._device is None
 
     @property
     def host_weights(self) -> np.ndarray:
-        return self._copier.host_weights if self._copier else self.weights.numpy()
+        return self._device.copier.host_weights if self._device else self.weights.numpy()
 
-    @property
-    def host_grads(self) -> np.ndarray:
-        return self._copier.host_grads if self._copier else self.grads.numpy()
-
-    def bind(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
-        """Make ``weights``/``grads`` (flat, on the parameters' device) the parameters' memory."""
-        self._grad_views: list[torch.Tensor] = []  # the parameters' .grad, views of grads
+    def bind(self, weights: torch.Tensor) -> None:
+        """Make ``weights`` (flat, on the parameters' device) the parameters' memory."""
         for p, t in zip(self.params, self.layout.tensors):
-            part = slice(t.offset, t.offset + t.size)
-            p.data = weights[part].view(t.shape)
-            p.grad = grads[part].view(t.shape)
-            self._grad_views.append(p.grad)
-        self.weights, self.grads = weights, grads
+            p.data = weights[t.offset : t.offset + t.size].view(t.shape)
+        self.weights = weights
 
     def zero_grad(self) -> None:
-        """Zero the gradient buffer (the bound gradients), ready for the next backward."""
-        self.grads.zero_()
+        """Clear the gradients for the next backward (on the CPU: ``.grad = None``, as
+        torch's ``zero_grad`` does; on a device: zero the bound flat gradient)."""
         self._touched = [False] * len(self.params)
-        self._rebind_foreign_grads(copy=False)
+        if self._device:
+            self._device.zero_grad()
+            return
+        for p in self.params:
+            p.grad = None
 
-    def gradients(self) -> np.ndarray:
-        """The flat gradient of the last backward pass, in host memory (valid until the next
-        step). Raises :class:`LearnerError` naming parameters that got no gradient."""
+    def gradients(self) -> list[np.ndarray]:
+        """The gradient of the last backward pass in host memory, as its parts in layout
+        order (on the CPU each tensor's ``.grad``, flattened; on a device one host buffer),
+        valid until the next backward. Raises :class:`LearnerError` naming parameters that
+        got no gradient."""
         missing = [n for n, touched in zip(self.names, self._touched) if not touched]
         if missing:
             raise LearnerError(
                 f"no gradient for parameter(s) {', '.join(missing)} in this step: a layer the loss does not "
                 "depend on (freeze it with requires_grad_(False)), or backward() was not called"
             )
-        self._rebind_foreign_grads(copy=True)
         self._touched = [False] * len(self.params)
-        if self._copier:
-            self._copier.to_host(self.grads)
-        return self.host_grads
+        if self._device:
+            return [self._device.to_host()]
+        return [_host_part(p.grad) for p in self.params]
+
+    def release_gradients(self) -> None:
+        """Let go of the gradients just taken (CPU: ``.grad = None``), so the next backward
+        writes new tensors and cannot change the ones still being sent."""
+        if not self._device:
+            for p in self.params:
+                p.grad = None
 
     def load(self, wait: bool = False) -> None:
         """Move what arrived in :attr:`host_weights` into the model (nothing to do on the CPU).
         ``wait``: return only once :attr:`host_weights` may be overwritten."""
-        if self._copier:
-            self._copier.to_device(self.weights, wait)
+        if self._device:
+            self._device.copier.to_device(self.weights, wait)
 
     def _touch(self, index: int) -> None:
         self._touched[index] = True
 
+
+def _host_part(grad: torch.Tensor | None) -> np.ndarray:
+    """A CPU parameter's gradient as a flat float32 array (a view unless it is not contiguous)."""
+    assert grad is not None  # the post-accumulate hook saw it
+    return grad.detach().contiguous().reshape(-1).numpy()
+
+
+class _DeviceGradients:
+    """A model on a device: its ``.grad`` bound to one flat device buffer, copied to host
+    staging (:class:`_DeviceCopier`) to be pushed."""
+
+    def __init__(self, params: list[nn.Parameter], layout: Layout, weights: torch.Tensor) -> None:
+        self.params = params
+        self.grads = torch.zeros(layout.size, dtype=torch.float32, device=weights.device)
+        self.views = [self.grads[t.offset : t.offset + t.size].view(t.shape) for t in layout.tensors]
+        for p, view in zip(params, self.views):
+            p.grad = view
+        self.copier = _DeviceCopier(weights, self.grads)
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+        self._rebind_foreign_grads(copy=False)
+
+    def to_host(self) -> np.ndarray:
+        self._rebind_foreign_grads(copy=True)
+        self.copier.to_host(self.grads)
+        return self.copier.host_grads
+
     def _rebind_foreign_grads(self, copy: bool) -> None:
         """A parameter whose ``.grad`` is not a view of the flat buffer (``set_to_none`` by a
         torch optimizer's zero_grad): move its gradient in and bind it again."""
-        for p, part in zip(self.params, self._grad_views):
+        for p, part in zip(self.params, self.views):
             grad = p.grad
             if grad is part:
                 continue

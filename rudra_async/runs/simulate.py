@@ -114,7 +114,7 @@ async def _learner(
             loss = loss_value.item()
             sched.state[index] = "request"
             try:
-                w = await client.push_pull(flat.host_grads, w.timestamp, step, len(idx), loss)
+                w = await client.push_pull(flat.gradients(), w.timestamp, step, len(idx), loss)
             except RemoteError as exc:
                 if exc.code == "stopped":
                     break

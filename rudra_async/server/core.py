@@ -138,6 +138,25 @@ def make_lr_policy(cfg: ServerConfig) -> LRPolicy:
     return policy
 
 
+def gradient_of(frame: Frame, size: int) -> np.ndarray:
+    """A PUSH's gradient: its segments, each one-dimensional and all of one dtype (<f4 or
+    <f2), end to end (a view of the body, no copy). Refused with ``bad_shape`` unless their
+    lengths add up to ``size``, with ``bad_dtype`` for another dtype or a mix."""
+    specs = frame.specs
+    if not specs or any(len(s.shape) != 1 for s in specs) or sum(s.shape[0] for s in specs) != size:
+        shapes = [list(s.shape) for s in specs]
+        raise RequestError(
+            f"gradient must be one-dimensional segments whose lengths add up to {size}, got {shapes}",
+            code="bad_shape",
+        )
+    dtypes = {s.dtype.str for s in specs}
+    if len(dtypes) != 1 or specs[0].dtype not in (np.float32, np.float16):
+        raise RequestError(f"gradient dtype must be one of <f4 or <f2, got {sorted(dtypes)}", code="bad_dtype")
+    if len(specs) == 1:
+        return frame.arrays[0]
+    return np.frombuffer(frame.body, dtype=specs[0].dtype, count=size)
+
+
 class ServerCore:
     """One server's state. ``initial`` (tensor name → array) seeds the weights; otherwise
     the first HELLO does. ``shared_memory`` provides the published weight buffers when a
@@ -413,15 +432,7 @@ class ServerCore:
             raise RequestError(f"timestamp {stamp} is outside [0, {store.clock}]", code="bad_timestamp")
         if self.stopped:
             raise RequestError(f"the run is over ({self.config.max_updates} updates)", code="stopped")
-        specs = frame.specs
-        if len(specs) != 1 or specs[0].shape != (store.layout.size,):
-            shapes = [list(s.shape) for s in specs]
-            raise RequestError(
-                f"gradient must be one segment of shape [{store.layout.size}], got {shapes}", code="bad_shape"
-            )
-        if specs[0].dtype not in (np.float32, np.float16):
-            raise RequestError(f"gradient dtype must be <f4 or <f2, got {specs[0].dtype.str}", code="bad_dtype")
-        return fields, frame.arrays[0]
+        return fields, gradient_of(frame, store.layout.size)
 
     def measure(self, grad: np.ndarray) -> GradientSize:
         """What the push rules need to know of a gradient's values (reads it once or twice,
