@@ -5,6 +5,7 @@ import pytest
 
 from rudra_async.logs import DEFAULT_LIMIT
 from rudra_async.server import store
+from rudra_async.transports import offload
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -33,6 +34,40 @@ def update_thread(request, monkeypatch):
             return any(t.name.startswith("rudra-update") for t in threading.enumerate())
 
     return UpdateThread
+
+
+class SendThreads:
+    """``send_threads(n)``: stream connections hand every frame whose body is at least ``n``
+    bytes (0: none) to a sender thread; ``calls`` lists the threads that wrote a frame,
+    ``writing`` counts those writing now."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.writing = 0  # frames being written by threads now
+
+    def __call__(self, nbytes: int) -> None:
+        offload.set_min_bytes(nbytes)
+
+    def spy(self, write_all):
+        def spying(*args):
+            self.calls.append(threading.current_thread().name)
+            self.writing += 1
+            try:
+                return write_all(*args)
+            finally:
+                self.writing -= 1
+
+        return spying
+
+
+@pytest.fixture
+def send_threads(monkeypatch):
+    """A :class:`SendThreads` for one test; the threshold comes back after it."""
+    threads = SendThreads()
+    monkeypatch.setattr(offload, "write_all", threads.spy(offload.write_all))
+    before = offload.min_bytes()
+    yield threads
+    offload.set_min_bytes(before)
 
 
 def pytest_collection_modifyitems(config, items):

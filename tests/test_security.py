@@ -83,6 +83,15 @@ async def test_tls_trains_and_every_misconfiguration_is_a_clear_error(pki):
             await train_briefly(ps.addresses[0], tls=security.client_tls(pki["ca.pem"]))
 
 
+async def test_tls_frames_are_never_written_by_a_sender_thread(pki, send_threads):
+    """A sender thread writes to the raw socket, under the TLS layer: over TLS every frame
+    goes through the loop, whatever its size (a raw write would break the session)."""
+    send_threads(1)
+    async with tls_server(pki) as ps:
+        assert await train_briefly(ps.addresses[0], tls=security.client_tls(pki["ca.pem"])) == 3
+    assert send_threads.calls == []
+
+
 async def test_a_blocking_client_over_tls_trains_and_never_busy_polls(pki):
     """The blocking client over TLS (``recv_into`` with flags is refused on a TLS socket, so
     its first read after a send must not poll) trains like the asyncio one."""

@@ -73,3 +73,16 @@ async def test_a_frame_and_garbage_in_one_read_deliver_the_frame_then_the_error(
     finally:
         conn.close()
         there.close()
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:0", "shm://"])
+@pytest.mark.parametrize("threshold", [0, 1], ids=["loop writes every frame", "threads write every body"])
+async def test_conformance_whoever_writes_the_frames(url, threshold, send_threads):
+    """The whole contract holds with every frame written by the event loop, and with every
+    frame that has a body written by a sender thread (ordering, back-pressure, close and a
+    peer killed mid-frame included)."""
+    send_threads(threshold)
+    ran = await check_transport(url, large=(1 << 20, 64 << 20))
+    assert ran == [c.__name__ for c in CHECKS]
+    assert bool(send_threads.calls) == bool(threshold)
+    assert all(name.startswith("rudra-send") for name in send_threads.calls)

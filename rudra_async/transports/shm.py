@@ -390,7 +390,7 @@ class ShmConnection(StreamConnection):
     def _release(self, name: str, offset: int, ticket: int | None) -> None:
         notice = release_notice(self._in, name, offset, ticket)
         if notice is not None and not self.is_closed and self._transport is not None:
-            self._transport.writelines(self._sending(notice))
+            self._write_soon(notice)
 
     # -- sending ---------------------------------------------------------------------------
     async def _segment_for(self, arrays: Sequence[np.ndarray], nbytes: int) -> tuple[_Segment, int]:

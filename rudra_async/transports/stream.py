@@ -4,21 +4,26 @@ Incoming bytes go into the :class:`~rudra_async.wire.FrameReader`'s buffers (sma
 through its staging buffer, one read for one or several; a large body straight into its
 final buffer, no copy); outgoing frames go out with ``writelines`` over views of the caller's
 arrays. The write-buffer high-water mark is 0, so ``send`` knows exactly when the OS has
-taken every byte and the arrays may change again. After each frame sent the loop polls for
-a moment (:mod:`.polling`), so a quick answer does not wait for a sleeping thread.
+taken every byte and the arrays may change again. A frame with a large body is written by
+a sender thread instead, so the loop serves other connections meanwhile (:mod:`.offload`).
+After each frame sent the loop polls for a moment (:mod:`.polling`), so a quick answer does
+not wait for a sleeping thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
 
-from ..errors import ConnectError, PeerGone
+from ..errors import ConnectError, ConnectionClosed, PeerGone
 from ..wire import FrameReader, Limits, encode_frame
+from . import offload
 from .base import Connection, OnAccept, OnConnection, ServingListener, format_host_port
 from .polling import loop_poller
 
@@ -43,6 +48,8 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._scratch: bytearray | None = None  # after a fatal error, input is read into this and dropped
         self._on_made = on_made
         self._poller = loop_poller()  # keeps the loop awake for a moment after each frame sent
+        self._thread_write: asyncio.Future[None] | None = None  # the frame a sender thread writes
+        self._thread_stop = threading.Event()  # set when the connection ends: the thread gives up
 
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -86,7 +93,16 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     # -- the Connection subclass API -----------------------------------------------------
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        self.send_nowait(msg_type, meta, arrays)
+        parts = encode_frame(msg_type, meta, arrays, self.limits)
+        while self._thread_write is not None and not self._thread_write.done():
+            await asyncio.wait([self._thread_write])  # frames stay in order
+        self._check_open()
+        sock = self._thread_socket(sum(len(p) for p in parts[1:]))  # the body: uint8 views
+        if sock is not None:
+            await self._write_in_thread(sock, self._sending(parts))
+            return
+        self._write(parts)
+        self._poller.sent()
         transport = self._transport
         assert transport is not None
         while transport.get_write_buffer_size() > 0:
@@ -97,16 +113,70 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     def nowait_room(self, body_bytes: int) -> bool:
         """True while nothing waits in the write buffer (the frame goes to the OS at once,
-        or is the one frame buffered)."""
+        or is the one frame buffered) and no sender thread writes."""
         transport = self._transport
-        return not self.is_closed and transport is not None and transport.get_write_buffer_size() == 0
+        return (
+            not self.is_closed
+            and transport is not None
+            and transport.get_write_buffer_size() == 0
+            and (self._thread_write is None or self._thread_write.done())
+        )
 
     def send_nowait(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
+        self._write(encode_frame(msg_type, meta, arrays, self.limits))
+        self._poller.sent()
+
+    def _write_soon(self, parts: list[bytes | memoryview]) -> None:
+        """Write a frame that expects no answer (no poll window) from a callback: now, or
+        right after the frame a sender thread is writing (never inside it)."""
+        job = self._thread_write
+        if job is None or job.done():
+            self._write(parts)
+        else:
+            job.add_done_callback(lambda _: None if self.is_closed else self._write(parts))
+
+    def _write(self, parts: list[bytes | memoryview]) -> None:
+        """Hand a frame to the loop's transport (the OS takes what it can at once)."""
         transport = self._transport
         assert transport is not None
-        transport.writelines(self._sending(encode_frame(msg_type, meta, arrays, self.limits)))
-        self._poller.sent()
+        transport.writelines(self._sending(parts))
+
+    def _thread_socket(self, body_bytes: int) -> socket.socket | None:
+        """A duplicate of the socket for a sender thread to write a frame with a body of
+        ``body_bytes`` to, or None where the loop writes it (see :mod:`.offload`)."""
+        transport = self._transport
+        if transport is None or not offload.wanted(body_bytes) or transport.get_write_buffer_size():
+            return None
+        if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None:
+            return None
+        raw = transport.get_extra_info("socket")
+        if raw is None:
+            return None
+        sock = socket.socket(fileno=os.dup(raw.fileno()))
+        sock.settimeout(0.0)
+        return sock
+
+    async def _write_in_thread(self, sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+        """Write a frame to ``sock`` in a sender thread; return once every byte is written.
+        Cancelled, or failing midway, the connection ends (part of a frame may be out)."""
+        job = offload.start(asyncio.get_running_loop(), sock, parts, self._thread_stop)
+        job.add_done_callback(_retrieve)
+        self._thread_write = job
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        except ConnectionClosed:
+            self._check_open()
+            raise
+        except OSError as exc:
+            self._connection_lost(PeerGone(f"the link broke while a frame was being written: {exc}"))
+            if self._transport is not None:
+                self._transport.abort()
+            self._check_open()  # raises that PeerGone
+        self._poller.sent()  # every byte went out: a peer that answered and left since is for recv to report
 
     def _on_consumed(self) -> None:
         if self._reading_paused and len(self._inbox) <= self._inbox_frames // 2 and self._transport is not None:
@@ -115,6 +185,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     def _close_link(self) -> None:
         self._drained.set()
+        self._thread_stop.set()
         self._reader.close()  # its buffers go now, not when the cycle collector runs
         transport = self._transport
         if transport is None:
@@ -139,6 +210,12 @@ class StreamListener(ServingListener):
         if self._server is not None:
             self._server.close()
             self._server = None
+
+
+def _retrieve(job: asyncio.Future[None]) -> None:
+    """Mark a sender thread's outcome as seen (its sender reports it, or has been cancelled)."""
+    if not job.cancelled():
+        job.exception()
 
 
 def describe_peer(transport: asyncio.BaseTransport) -> str:

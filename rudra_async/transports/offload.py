@@ -1,0 +1,131 @@
+"""Large frames are written to their socket by a thread, not by the event loop.
+
+Writing a frame of tens of megabytes to a TCP or Unix socket is a copy into the kernel that
+takes milliseconds (a 100 MB frame: tens of milliseconds of CPU). Done by the event loop,
+the loop serves nobody else meanwhile: a server answering λ learners could receive one
+learner's gradient while it writes another's weights, on another core. So a stream
+connection hands a frame whose body is at least :func:`min_bytes` to a sender thread,
+which writes it with ``sendmsg`` (without the GIL) while the loop goes on; ``send``
+returns once the thread has written every byte, as before. Frames stay in order: while a
+thread writes one, the connection's next frame waits for it.
+
+Not offloaded: TLS connections (the TLS layer writes through the loop), and a frame that
+finds bytes still waiting in the loop's write buffer.
+
+The threshold is process-wide: ``RUDRA_ASYNC_SEND_THREAD_BYTES`` (bytes of body, 0 turns
+offloading off; unset or empty: 4 MiB) read when this module is first imported, or
+:func:`set_min_bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import socket
+import threading
+from collections.abc import Sequence
+
+from ..errors import ConfigError, ConnectionClosed
+
+DEFAULT_MIN_BYTES = 4 << 20
+ENV = "RUDRA_ASYNC_SEND_THREAD_BYTES"
+#: how often a thread waiting for room in the socket looks whether its send was abandoned
+STOP_CHECK_S = 0.05
+_IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
+
+
+def _checked(nbytes: int, source: str) -> int:
+    if nbytes < 0:
+        raise ConfigError(f"{source} must be a number of bytes >= 0 (0: never), got {nbytes!r}")
+    return nbytes
+
+
+def _min_bytes_from_env() -> int:
+    text = os.environ.get(ENV, "")
+    if not text:
+        return DEFAULT_MIN_BYTES
+    try:
+        nbytes = int(text)
+    except ValueError:
+        raise ConfigError(f"{ENV} must be a whole number of bytes, got {text!r}") from None
+    return _checked(nbytes, ENV)
+
+
+_min_bytes = _min_bytes_from_env()
+
+
+def min_bytes() -> int:
+    """The smallest body a sender thread writes (0: none does)."""
+    return _min_bytes
+
+
+def set_min_bytes(nbytes: int) -> None:
+    """Set the threshold of this process (0 turns offloading off); applies to the next frame."""
+    global _min_bytes
+    _min_bytes = _checked(nbytes, "the send-thread threshold")
+
+
+def wanted(body_bytes: int) -> bool:
+    """Whether a frame with a body of ``body_bytes`` goes to a sender thread."""
+    return 0 < _min_bytes <= body_bytes
+
+
+def start(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: Sequence[bytes | memoryview], stop: threading.Event
+) -> asyncio.Future[None]:
+    """Run :func:`write_all` in a new daemon thread (a thread whose peer never reads again
+    cannot hold up the process's exit); the future, of ``loop``, gets its outcome."""
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: Exception | None) -> None:
+        if done.cancelled():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: Exception | None = None
+        try:
+            write_all(sock, parts, stop)
+        except Exception as exc:  # reported to the sender, whatever it is
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:  # the loop is closed: nobody waits for this frame any more
+            pass
+
+    threading.Thread(target=run, name="rudra-send", daemon=True).start()
+    return done
+
+
+def write_all(sock: socket.socket, parts: Sequence[bytes | memoryview], stop: threading.Event) -> None:
+    """Write ``parts`` in order to the non-blocking ``sock``, waiting for room as needed,
+    then close ``sock`` (a duplicate of the connection's socket: the connection stays).
+    Raises ConnectionClosed once ``stop`` is set (checked at least every ``STOP_CHECK_S``
+    while waiting), and the OSError of a broken link. Never raises SIGPIPE."""
+    with sock:
+        _write_all(sock, parts, stop)
+
+
+def _write_all(sock: socket.socket, parts: Sequence[bytes | memoryview], stop: threading.Event) -> None:
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    waiter = select.poll()
+    waiter.register(sock.fileno(), select.POLLOUT)
+    while views:
+        if stop.is_set():
+            raise ConnectionClosed("the connection was closed while a frame was being written")
+        try:
+            sent = sock.sendmsg(views[:_IOV_MAX], (), socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            waiter.poll(STOP_CHECK_S * 1000)
+            continue
+        while sent:
+            head = views[0]
+            if sent < head.nbytes:
+                views[0] = head[sent:]
+                break
+            sent -= head.nbytes
+            views.pop(0)
