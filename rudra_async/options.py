@@ -20,15 +20,31 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 
 _MISSING = dataclasses.MISSING
+
+
+T = TypeVar("T")
+
+
+def env_value(name: str, default: T, convert: Callable[[str], T], expected: str) -> T:
+    """The environment variable ``name`` through ``convert``; ``default`` when it is unset
+    or empty; a ConfigError saying it must be ``expected`` when ``convert`` refuses it."""
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        return convert(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be {expected}, got {text!r}") from None
 
 
 def setting(

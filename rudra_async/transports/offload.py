@@ -20,13 +20,13 @@ offloading off; unset or empty: 4 MiB) read when this module is first imported, 
 from __future__ import annotations
 
 import asyncio
-import os
 import select
 import socket
 import threading
 from collections.abc import Sequence
 
 from ..errors import ConfigError, ConnectionClosed
+from ..options import env_value
 
 DEFAULT_MIN_BYTES = 4 << 20
 ENV = "RUDRA_ASYNC_SEND_THREAD_BYTES"
@@ -41,18 +41,7 @@ def _checked(nbytes: int, source: str) -> int:
     return nbytes
 
 
-def _min_bytes_from_env() -> int:
-    text = os.environ.get(ENV, "")
-    if not text:
-        return DEFAULT_MIN_BYTES
-    try:
-        nbytes = int(text)
-    except ValueError:
-        raise ConfigError(f"{ENV} must be a whole number of bytes, got {text!r}") from None
-    return _checked(nbytes, ENV)
-
-
-_min_bytes = _min_bytes_from_env()
+_min_bytes = _checked(env_value(ENV, DEFAULT_MIN_BYTES, int, "a whole number of bytes"), ENV)
 
 
 def min_bytes() -> int:

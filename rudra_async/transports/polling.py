@@ -33,6 +33,7 @@ import time
 import weakref
 
 from ..errors import ConfigError
+from ..options import env_value
 
 #: the most credit a waiter keeps (windows that caught something, net of misses)
 CREDIT_MAX = 8
@@ -51,18 +52,7 @@ def _checked(seconds: float, source: str) -> float:
     return seconds
 
 
-def _window_from_env() -> float:
-    text = os.environ.get(ENV, "")
-    if not text:
-        return DEFAULT_WINDOW_US * 1e-6
-    try:
-        us = float(text)
-    except ValueError:
-        raise ConfigError(f"{ENV} must be a number of microseconds, got {text!r}") from None
-    return _checked(us * 1e-6, ENV)
-
-
-_window = _window_from_env()
+_window = _checked(env_value(ENV, DEFAULT_WINDOW_US, float, "a number of microseconds") * 1e-6, ENV)
 
 
 def window() -> float:
