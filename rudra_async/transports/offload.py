@@ -64,8 +64,10 @@ def start(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: Sequence[bytes | memoryview], stop: threading.Event
 ) -> asyncio.Future[None]:
     """Run :func:`write_all` in a new daemon thread (a thread whose peer never reads again
-    cannot hold up the process's exit); the future, of ``loop``, gets its outcome."""
+    cannot hold up the process's exit); the future, of ``loop``, gets its outcome (marked
+    as seen: a sender that was cancelled meanwhile no longer asks for it)."""
     done: asyncio.Future[None] = loop.create_future()
+    done.add_done_callback(lambda job: job.cancelled() or job.exception())
 
     def settle(error: Exception | None) -> None:
         if done.cancelled():

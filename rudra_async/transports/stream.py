@@ -94,8 +94,8 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     # -- the Connection subclass API -----------------------------------------------------
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         parts = encode_frame(msg_type, meta, arrays, self.limits)
-        while self._thread_write is not None and not self._thread_write.done():
-            await asyncio.wait([self._thread_write])  # frames stay in order
+        while (job := self._thread_writing()) is not None:
+            await asyncio.wait([job])  # frames stay in order
         self._check_open()
         sock = self._thread_socket(sum(len(p) for p in parts[1:]))  # the body: uint8 views
         if sock is not None:
@@ -119,7 +119,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             not self.is_closed
             and transport is not None
             and transport.get_write_buffer_size() == 0
-            and (self._thread_write is None or self._thread_write.done())
+            and self._thread_writing() is None
         )
 
     def send_nowait(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
@@ -130,8 +130,8 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     def _write_soon(self, parts: list[bytes | memoryview]) -> None:
         """Write a frame that expects no answer (no poll window) from a callback: now, or
         right after the frame a sender thread is writing (never inside it)."""
-        job = self._thread_write
-        if job is None or job.done():
+        job = self._thread_writing()
+        if job is None:
             self._write(parts)
         else:
             job.add_done_callback(lambda _: None if self.is_closed else self._write(parts))
@@ -141,6 +141,11 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         transport = self._transport
         assert transport is not None
         transport.writelines(self._sending(parts))
+
+    def _thread_writing(self) -> asyncio.Future[None] | None:
+        """The sender thread's job while it writes a frame of this connection, else None."""
+        job = self._thread_write
+        return None if job is None or job.done() else job
 
     def _thread_socket(self, body_bytes: int) -> socket.socket | None:
         """A duplicate of the socket for a sender thread to write a frame with a body of
@@ -160,9 +165,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     async def _write_in_thread(self, sock: socket.socket, parts: list[bytes | memoryview]) -> None:
         """Write a frame to ``sock`` in a sender thread; return once every byte is written.
         Cancelled, or failing midway, the connection ends (part of a frame may be out)."""
-        job = offload.start(asyncio.get_running_loop(), sock, parts, self._thread_stop)
-        job.add_done_callback(_retrieve)
-        self._thread_write = job
+        job = self._thread_write = offload.start(asyncio.get_running_loop(), sock, parts, self._thread_stop)
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -210,12 +213,6 @@ class StreamListener(ServingListener):
         if self._server is not None:
             self._server.close()
             self._server = None
-
-
-def _retrieve(job: asyncio.Future[None]) -> None:
-    """Mark a sender thread's outcome as seen (its sender reports it, or has been cancelled)."""
-    if not job.cancelled():
-        job.exception()
 
 
 def describe_peer(transport: asyncio.BaseTransport) -> str:
