@@ -239,6 +239,17 @@ def test_shards_given_as_a_list_train_like_one_server():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_device_model_offers_its_own_weights_to_the_server():
+    """A model on a device reaches the server through host staging: at connect that staging
+    must already hold the model's weights (a new server starts from them). Checked on the CPU
+    with the staging class itself; the GPU test below checks it end to end."""
+    from rudra_async.learner.binding import _DeviceCopier
+
+    weights = torch.randn(1000)
+    copier = _DeviceCopier(weights, torch.zeros(1000))
+    np.testing.assert_array_equal(copier.host_weights, weights.numpy())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device visible to torch")
 @pytest.mark.parametrize("overlap", [False, True])

@@ -154,11 +154,13 @@ class _DeviceGradients:
 
 class _DeviceCopier:
     """Host staging for a model on a device: reused host buffers (pinned for CUDA) and, on
-    CUDA, a side stream for non-blocking copies that the compute stream waits for."""
+    CUDA, a side stream for non-blocking copies that the compute stream waits for. The host
+    weights start as a copy of ``weights``: they are what the learner offers a new server."""
 
     def __init__(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
         cuda = weights.device.type == "cuda"
         self._weights = torch.empty(weights.numel(), dtype=torch.float32, pin_memory=cuda)
+        self._weights.copy_(weights)
         self._grads = torch.empty(grads.numel(), dtype=torch.float32, pin_memory=cuda)
         self.host_weights, self.host_grads = self._weights.numpy(), self._grads.numpy()
         self._stream = torch.cuda.Stream(weights.device) if cuda else None
