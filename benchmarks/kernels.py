@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
-from rudra_async.kernels import SGD, cupy_device_available, make_updater
+from rudra_async.kernels import SGD, Group, cupy_device_available, make_updater
 
 
 def cpu(reps: int) -> None:
@@ -90,7 +90,7 @@ def gpu(reps: int) -> None:
         up.apply(host_w, host_w, grads, [1.0 / c] * c, SGD(1e-4, 0.9, 1e-4))  # load weights, fill slots
 
         def fold():
-            up.fold(c, np.float32, [1.0 / c] * c, 1e-4, 0.9, 1e-4, False)
+            up.fold(c, np.dtype(np.float32), [1.0 / c] * c, Group(0, n, SGD(1e-4, 0.9, 1e-4)))
             cp.cuda.Device().synchronize()
 
         t = median_time(fold, reps)
