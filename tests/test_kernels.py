@@ -1,5 +1,7 @@
 """Every update backend equals torch.optim.SGD, and the backends agree with each other."""
 
+import itertools
+
 import numpy as np
 import pytest
 from helpers import random_batches, sgd_reference
@@ -231,3 +233,35 @@ def test_every_backend_measures_max_abs_exactly(backend):
         expected = float(np.max(np.abs(x.astype(np.float64)))) if x.size else 0.0  # NaN propagates
         got = up.max_abs(x)
         assert (np.isnan(expected) and np.isnan(got)) or got == expected, name
+
+
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("torch", marks=pytest.mark.torch)])
+@pytest.mark.parametrize("c, dtype", [(1, np.float32), (3, np.float32), (2, np.float16)])
+def test_an_update_computed_in_spans_equals_the_whole_update_bit_for_bit(backend, c, dtype):
+    """Spans that cover the vector in order, cut at multiples of the backend's grain
+    (numpy: anywhere, inside a group, at odd offsets; torch: its block grid, one cut inside
+    a group), in place and into another buffer, give the whole update's weights and
+    momentum exactly (unit scales too: torch's one-gradient path)."""
+    size = 3 * (1 << 20) + 7
+    split = (1 << 20) + 1000
+    steps = [Group(0, split, SGD(0.05, 0.9, 1e-3, True)), Group(split, size, SGD(0.01, 0.9, 0.0))]
+    whole, parts = make_updater(backend, size), make_updater(backend, size)
+    assert parts.partial
+    inner = [3, 4096, 1 << 20, split - 1, split, split + 1, 2 * (1 << 20), 2 * (1 << 20) + 999, 3 * (1 << 20)]
+    cuts = [0, *(x for x in inner if x % parts.grain == 0), size]
+    assert len(cuts) >= 5
+    w0 = np.random.default_rng(2).standard_normal(size).astype(np.float32)
+    a, b = w0.copy(), w0.copy()
+    batches = list(random_batches(size, 3, c, dtype=dtype))
+    if c == 1:
+        batches.append(([batches[0][0][0]], [1.0]))
+    for step, (grads, scales) in enumerate(batches):
+        whole.apply(a, a, grads, scales, steps)
+        out = b if step % 2 else np.full_like(b, np.nan)
+        for lo, hi in itertools.pairwise(cuts):
+            parts.apply(b, out, grads, scales, steps, span=(lo, hi))
+        b = out
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(whole.momentum, parts.momentum)
+    with pytest.raises(ValueError, match="span"):
+        parts.apply(b, b, grads, scales, steps, span=(5, size + 1))

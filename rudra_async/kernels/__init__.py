@@ -42,6 +42,7 @@ __all__ = [
     "max_abs",
     "preload",
     "resolve",
+    "within",
 ]
 
 KERNELS = ("numpy", "torch", "cupy")
@@ -85,19 +86,43 @@ def as_groups(steps: Steps, size: int) -> Sequence[Group]:
     return steps
 
 
+def within(steps: Steps, size: int, span: tuple[int, int]) -> list[Group]:
+    """The groups of ``steps`` (covering [0, size)) cut to ``span`` = [lo, hi), empty ones left out."""
+    lo, hi = span
+    if not 0 <= lo <= hi <= size:
+        raise ValueError(f"span [{lo}, {hi}) is not within [0, {size})")
+    cut = (Group(max(g.lo, lo), min(g.hi, hi), g.sgd) for g in as_groups(steps, size))
+    return [g for g in cut if g.lo < g.hi]
+
+
 class Updater(abc.ABC):
     """Owns the momentum buffer (and, on a GPU, the master weights) of one flat parameter vector.
 
     ``apply`` reads the current weights from ``w`` (host) and writes the new ones into
     ``w_out`` (host; may be ``w`` itself); ``steps`` is one :class:`SGD` or one per group.
+    A backend with :attr:`partial` also takes a ``span`` [lo, hi): it then computes only those
+    values; an update computed in spans that cover the vector in order, each once, cut at
+    multiples of :attr:`grain`, equals the whole update bit for bit. The others take only
+    ``span=None``.
     """
+
+    #: whether :meth:`apply` computes a part of the vector (``span``)
+    partial = False
+    #: spans cut at multiples of this many values give the whole update's bits
+    grain = 1
 
     def __init__(self, size: int) -> None:
         self.size = size
 
     @abc.abstractmethod
     def apply(
-        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
+        self,
+        w: np.ndarray,
+        w_out: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        steps: Steps,
+        span: tuple[int, int] | None = None,
     ) -> None: ...
 
     @property

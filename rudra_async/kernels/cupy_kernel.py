@@ -47,8 +47,16 @@ class CupyUpdater(Updater):
             self._streams.append(cp.cuda.Stream(non_blocking=True))
 
     def apply(
-        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
+        self,
+        w: np.ndarray,
+        w_out: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        steps: Steps,
+        span: tuple[int, int] | None = None,
     ) -> None:
+        if span is not None:
+            raise ValueError("the CuPy backend updates the whole vector at once (span must be None)")
         check_batch(grads, scales, self.size)
         dtype = grads[0].dtype
         if any(g.dtype != dtype for g in grads):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import SGD, HostUpdater, Steps, as_groups, check_batch
+from . import SGD, HostUpdater, Steps, check_batch, within
 
 BLOCK = 1 << 16
 
@@ -56,10 +56,18 @@ def _scaled(g: np.ndarray, scale: float, out: np.ndarray) -> None:
 
 
 class NumpyUpdater(HostUpdater):
+    partial = True
+
     def apply(
-        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
+        self,
+        w: np.ndarray,
+        w_out: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        steps: Steps,
+        span: tuple[int, int] | None = None,
     ) -> None:
         check_batch(grads, scales, self.size)
-        for g in as_groups(steps, self.size):
+        for g in within(steps, self.size, span or (0, self.size)):
             part = slice(g.lo, g.hi)
             apply(w[part], w_out[part], self._v[part], [x[part] for x in grads], scales, g.sgd)

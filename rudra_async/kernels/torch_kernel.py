@@ -5,33 +5,55 @@ summed block by block, so the combined gradient stays in cache."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from . import SGD, Group, HostUpdater, Steps, as_groups, check_batch, max_abs
+from . import SGD, Group, HostUpdater, Steps, check_batch, max_abs, within
 
 BLOCK = 1 << 20  # 4 MiB of float32 per operand: few Python calls, still cache-friendly
 #: below this many values numpy's max_abs is as fast or faster (1K–256K: 3–10% faster, timeit)
 AMINMAX_MIN_VALUES = 1 << 20
 
 
+def grid(lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    """[lo, hi) cut at the multiples of BLOCK. torch's fused SGD may round a value
+    differently depending on where it sits in a call (its vectorized body or its tail), so
+    every call covers one block of this fixed grid: an update then gives the same bits
+    whether it is computed whole or in spans cut at multiples of BLOCK."""
+    while lo < hi:
+        edge = min((lo // BLOCK + 1) * BLOCK, hi)
+        yield lo, edge
+        lo = edge
+
+
 class TorchUpdater(HostUpdater):
+    partial = True
+    grain = BLOCK
+
     def __init__(self, size: int) -> None:
         super().__init__(size)
         self._vt = torch.from_numpy(self._v)  # shares memory with the host momentum
         self._d = torch.empty(min(BLOCK, max(size, 1)), dtype=torch.float32)
 
     def apply(
-        self, w: np.ndarray, w_out: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
+        self,
+        w: np.ndarray,
+        w_out: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        steps: Steps,
+        span: tuple[int, int] | None = None,
     ) -> None:
         check_batch(grads, scales, self.size)
+        lo, hi = span or (0, self.size)
+        groups = within(steps, self.size, (lo, hi))
         wt, out = torch.from_numpy(w), torch.from_numpy(w_out)
         if out.data_ptr() != wt.data_ptr():
-            out.copy_(wt)
+            out[lo:hi].copy_(wt[lo:hi])
         gs = [torch.from_numpy(g) for g in grads]
-        for group in as_groups(steps, self.size):
+        for group in groups:
             self._apply_group(out, gs, scales, group)
 
     def max_abs(self, a: np.ndarray) -> float:
@@ -46,15 +68,11 @@ class TorchUpdater(HostUpdater):
 
     def _apply_group(self, out: torch.Tensor, gs: list[torch.Tensor], scales: Sequence[float], group: Group) -> None:
         sgd = group.sgd
-        if len(gs) == 1 and scales[0] == 1.0 and gs[0].dtype == torch.float32:
-            if group.lo == 0 and group.hi == self.size:  # the whole vector: no slices to make
-                self._step(out, gs[0], self._vt, sgd)
-            else:
-                part = slice(group.lo, group.hi)
-                self._step(out[part], gs[0][part], self._vt[part], sgd)  # one fused call
-            return
-        for lo in range(group.lo, group.hi, BLOCK):
-            hi = min(lo + BLOCK, group.hi)
+        unit = len(gs) == 1 and scales[0] == 1.0 and gs[0].dtype == torch.float32  # no combined gradient to make
+        for lo, hi in grid(group.lo, group.hi):
+            if unit:
+                self._step(out[lo:hi], gs[0][lo:hi], self._vt[lo:hi], sgd)
+                continue
             d = self._d[: hi - lo]
             if gs[0].dtype == torch.float32:
                 torch.mul(gs[0][lo:hi], scales[0], out=d)
