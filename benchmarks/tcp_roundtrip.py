@@ -8,7 +8,8 @@ framing, no update). The server runs in its own process, like a real deployment.
 
 Prints medians and the ratio rudra/baseline for throughput (higher is better), both for
 the whole round trip and for the transport share (the server's update-kernel time taken
-out), and the small-message round-trip latency; for the latter also the raw socket
+out; since the reply is written while its update is computed, part of that time overlaps
+the transfer, so this share is a lower bound and its ratio an upper bound), and the small-message round-trip latency; for the latter also the raw socket
 busy-polling as rudra-async's connections do (``RUDRA_ASYNC_BUSY_POLL_US``), for context.
 With ``--shards N`` it also times the same round trip against a group of N shard servers
 (one process each) and prints it next to the single server's.

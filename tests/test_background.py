@@ -3,9 +3,11 @@ they are read, results equal the event-loop path bit for bit, a cancelled wait l
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
+from helpers import run_server
 
 from rudra_async.config import ServerConfig
 from rudra_async.kernels import SGD, Group
@@ -178,10 +180,10 @@ async def test_a_push_that_arrives_during_an_update_is_checked_and_never_blocks_
     updater = ps.core.store.updater
     slow_apply = updater.apply
 
-    def held_apply(*args):
+    def held_apply(*args, **kwargs):
         running.set()
         assert hold.wait(10)
-        slow_apply(*args)
+        slow_apply(*args, **kwargs)
 
     updater.apply = held_apply
     measured = []
@@ -229,3 +231,116 @@ async def test_a_push_that_arrives_during_an_update_is_checked_and_never_blocks_
         await a.close()
         await b.close()
         await ps.close()
+
+
+def test_a_lease_taken_while_the_update_is_computed_sees_each_piece_once_it_is_final(off_loop, monkeypatch):
+    """lease_computing does not wait for the update in flight: its progress grows piece by
+    piece, every byte it calls final holds the update's value already, and the finished
+    buffer equals the update computed inline."""
+    monkeypatch.setattr(store, "PIECE_VALUES", 250)
+    background, steps = Background(), threading.Semaphore(0)
+    ws = WeightStore(LAYOUT, np.zeros(N, np.float32), "numpy", background=background)
+    inline = WeightStore(LAYOUT, np.zeros(N, np.float32), "numpy")
+    whole = ws.updater.apply
+
+    def one_piece_per_permit(*args, **kwargs):
+        assert steps.acquire(timeout=10)
+        whole(*args, **kwargs)
+
+    ws.updater.apply = one_piece_per_permit
+    g = np.random.default_rng(4).standard_normal(N).astype(np.float32)
+    ws.apply([g], [1.0], STEPS)
+    inline.apply([g], [1.0], STEPS)
+    expected = inline.weights
+    with ws.lease_computing() as (clock, weights, progress):
+        assert clock == 1 and progress is not None
+        assert progress.wait(1, 0.05) == 0, "nothing is final before the first piece is computed"
+        for piece in range(1, 5):
+            steps.release()
+            final = progress.wait(1000 * piece, 10)
+            assert final == 1000 * piece  # 250 values of 4 bytes per piece
+            np.testing.assert_array_equal(weights[: final // 4], expected[: final // 4])
+    assert ws.in_flight is not None
+    ws.finish()
+    with ws.lease_computing() as (_, weights, progress):
+        assert progress is None  # nothing in flight: every byte is final
+        np.testing.assert_array_equal(weights, expected)
+    ws.close()
+    background.close()
+
+
+def test_the_progress_of_a_failed_update_raises_for_its_readers(off_loop):
+    background = Background()
+    ws = WeightStore(LAYOUT, np.zeros(N, np.float32), "numpy", background=background)
+
+    def broken(*args, **kwargs):
+        raise MemoryError("no room")
+
+    ws.updater.apply = broken
+    ws.apply([np.ones(N, np.float32)], [1.0], STEPS)
+    with ws.lease_computing() as (_, _, progress), pytest.raises(RuntimeError, match=r"update .* failed.*no room"):
+        progress.wait(4 * N, 10)
+    with pytest.raises(MemoryError):
+        ws.finish()
+    ws.close()
+    background.close()
+
+
+async def test_replies_written_while_their_updates_are_computed_are_exact_and_never_torn(
+    off_loop, send_threads, monkeypatch
+):
+    """Two learners push_pull over tcp; every weights reply is written by a sender thread
+    while its update is computed piece by piece (slowly). Each reply must equal, bit for
+    bit, the weights of the clock it is stamped with, replayed inline from the updates in
+    the order the server decided them."""
+    from rudra_async.client import Client
+
+    send_threads(1)
+    monkeypatch.setattr(store, "PIECE_VALUES", 100)
+    partial_waits = []
+    wait = store.Progress.wait
+
+    def spying_wait(self, nbytes, timeout):
+        final = wait(self, nbytes, timeout)
+        partial_waits.append(final < self.nbytes)
+        return final
+
+    monkeypatch.setattr(store.Progress, "wait", spying_wait)
+    cfg = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "kernel": "numpy"}
+    w0 = np.random.default_rng(5).standard_normal(N).astype(np.float32)
+    layout = Layout.from_shapes([("w", (N,))])
+    decided = []  # the gradients, in the order the server applied them
+    async with run_server(**cfg) as ps:
+        a = await Client.connect(ps.addresses[0], layout, w0)
+        b = await Client.connect(ps.addresses[0], layout)
+        ws = ps.core.store
+        apply, piece = ws.apply, ws.updater.apply
+        ws.apply = lambda grads, *args, **kwargs: decided.append(grads[0].copy()) or apply(grads, *args, **kwargs)
+
+        def slow_piece(*args, **kwargs):
+            time.sleep(0.002)
+            piece(*args, **kwargs)
+
+        ws.updater.apply = slow_piece
+        replies = []
+
+        async def learner(client, seed):
+            rng = np.random.default_rng(seed)
+            w = await client.pull()
+            for step in range(8):
+                w = await client.push_pull(rng.standard_normal(N).astype(np.float32), w.timestamp, step)
+                replies.append((w.timestamp, w.array.copy()))
+
+        await asyncio.gather(learner(a, 1), learner(b, 2))
+        await a.close()
+        await b.close()
+    assert any(partial_waits), "no reply was written while its update was being computed"
+    assert all(name.startswith("rudra-send") for name in send_threads.calls)
+    reference = WeightStore(layout, w0, "numpy")
+    at_clock = {0: w0}
+    for g in decided:
+        reference.apply([g], [1.0], SGD(0.1, 0.9, 0.01))
+        at_clock[reference.clock] = reference.weights.copy()
+    assert len(decided) == 16 and len(replies) == 16
+    for clock, weights in replies:
+        np.testing.assert_array_equal(weights, at_clock[clock], err_msg=f"reply stamped {clock}")

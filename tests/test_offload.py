@@ -3,8 +3,11 @@ and what a send that is cancelled or outlived by its connection leaves behind.""
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ from rudra_async import transports
 from rudra_async.errors import ConfigError, ConnectionClosed, PeerGone
 from rudra_async.testing import _send_until_blocked
 from rudra_async.transports import offload
+from rudra_async.wire import MsgType
 
 MiB = 1 << 20
 
@@ -91,4 +95,107 @@ async def test_a_thread_write_that_is_abandoned_ends_the_connection_and_the_thre
         assert send_threads.writing == 0, "a sender thread still writes to an abandoned connection"
     finally:
         conn.close()
+        await listener.close()
+
+
+class StepGate:
+    """A Gate the test opens by hand: ``final`` bytes of the body are final."""
+
+    def __init__(self):
+        self.final, self.error = 0, None
+        self.changed = threading.Condition()
+
+    def open_to(self, final=None, error=None):
+        with self.changed:
+            self.final, self.error = final if final is not None else self.final, error
+            self.changed.notify_all()
+
+    def wait(self, nbytes, timeout):
+        with self.changed:
+            self.changed.wait_for(lambda: self.final >= nbytes or self.error is not None, timeout)
+            if self.error is not None:
+                raise self.error
+            return self.final
+
+
+def read_available(sock, seconds=0.3):
+    """Everything ``sock`` receives within ``seconds`` (stops early once nothing comes for 0.1 s)."""
+    got, end = bytearray(), time.monotonic() + seconds
+    sock.settimeout(0.1)
+    while time.monotonic() < end:
+        try:
+            chunk = sock.recv(1 << 20)
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        got += chunk
+    return bytes(got)
+
+
+def test_a_gated_body_goes_out_only_as_far_as_the_gate_says_it_is_final():
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    head, body = b"HEAD", np.arange(300_000, dtype=np.uint8)
+    gate, stop = StepGate(), threading.Event()
+    writer = threading.Thread(target=offload.write_all, args=(a, [head, memoryview(body)], stop, gate, len(head)))
+    writer.start()
+    try:
+        seen = read_available(b)
+        assert seen == head, "only the bytes before the body go out while none of it is final"
+        gate.open_to(100_001)
+        seen += read_available(b)
+        assert seen == head + body[:100_001].tobytes()
+        gate.open_to(body.nbytes)
+        writer.join(10)
+        seen += read_available(b)
+        assert seen == head + body.tobytes() and not writer.is_alive()
+    finally:
+        gate.open_to(body.nbytes)
+        writer.join(10)
+        b.close()
+
+
+@pytest.mark.parametrize("failure", ["computation", "close"])
+async def test_a_send_whose_body_is_never_finished_ends_the_connection(failure, send_threads):
+    """send_computing with a gate that fails (or a connection closed while the thread waits
+    for the gate) raises, and the peer learns the connection is gone, not a torn frame."""
+    send_threads(1)
+    listener, conn, peer = await clogged_pair()
+    gate = StepGate()
+    try:
+        body = np.ones(1000, np.float32)
+        assert conn.sends_computing(body.nbytes)
+        sending = asyncio.ensure_future(conn.send_computing(MsgType.WEIGHTS, {}, [body], gate))
+        gate.open_to(400)
+        await asyncio.sleep(0.2)
+        assert not sending.done()
+        if failure == "computation":
+            gate.open_to(error=RuntimeError("the update of these weights failed"))
+            with pytest.raises(RuntimeError, match="update of these weights failed"):
+                await asyncio.wait_for(sending, 10)
+        else:
+            conn.close()
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(sending, 10)
+        assert conn.is_closed
+        with pytest.raises(PeerGone):
+            await asyncio.wait_for(peer.recv(), 10)
+    finally:
+        conn.close()
+        await listener.close()
+
+
+async def test_only_a_connection_whose_thread_writes_sends_a_body_being_computed(send_threads):
+    """(Over TLS no thread writes: tests/test_security.py checks that for every frame.)"""
+    send_threads(1)
+    listener, conn, _ = await clogged_pair()
+    try:
+        assert conn.sends_computing(10)
+        send_threads(0)
+        assert not conn.sends_computing(10 << 20)
+        send_threads(1)
+        conn.close()
+        assert not conn.sends_computing(10)
+    finally:
         await listener.close()

@@ -31,6 +31,7 @@ from ..wire import Frame, Header, MsgType
 from .core import LearnerInfo
 
 if TYPE_CHECKING:
+    from ..transports.offload import Gate
     from .parameter_server import ParameterServer
 
 log = logging.getLogger(__name__)
@@ -311,11 +312,12 @@ class Session:
         await self.server.wait_until(
             lambda: core.pull_ready(learner.learner_id, newer_than), self.conn, learner.learner_id
         )
-        await self.server.updates_computed()
         store = core.store
         assert store is not None, "READY implies weights"
-        with store.lease() as (clock, weights):
-            await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights])
+        if not self.conn.sends_computing(4 * store.layout.size):
+            await self.server.updates_computed()
+        with store.lease_computing() as (clock, weights, progress):  # no update in flight, or a gated send
+            await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], progress)
         core.pulled(learner, clock)
 
     def _weights_meta(self, clock: int) -> dict[str, Any]:
@@ -323,17 +325,28 @@ class Session:
         return {"timestamp": clock, "stop": self.core.stopped}
 
     async def _reply(
-        self, msg_type: MsgType, meta: dict[str, Any], request: dict[str, Any], arrays: Sequence[np.ndarray] = ()
+        self,
+        msg_type: MsgType,
+        meta: dict[str, Any],
+        request: dict[str, Any],
+        arrays: Sequence[np.ndarray] = (),
+        gate: Gate | None = None,
     ) -> None:
-        await self._send(msg_type, _answering(meta, request), arrays)
+        await self._send(msg_type, _answering(meta, request), arrays, gate)
 
-    async def _send(self, msg_type: MsgType, meta: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> None:
-        """Send with a deadline: a peer that does not read its reply is closed after the idle timeout."""
+    async def _send(
+        self, msg_type: MsgType, meta: dict[str, Any], arrays: Sequence[np.ndarray] = (), gate: Gate | None = None
+    ) -> None:
+        """Send with a deadline: a peer that does not read its reply is closed after the idle
+        timeout. With a ``gate``, the body is still being computed (``Connection.send_computing``)."""
         idle = self.server.config.idle_timeout
         if idle and self.state is State.READY:
             self.deadline, self.deadline_code = time.monotonic() + idle, "reply_not_read"
         try:
-            await self.conn.send(msg_type, meta, arrays)
+            if gate is None:
+                await self.conn.send(msg_type, meta, arrays)
+            else:
+                await self.conn.send_computing(msg_type, meta, arrays, gate)
         finally:
             if self.deadline_code == "reply_not_read":
                 self.deadline = None

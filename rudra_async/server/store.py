@@ -11,11 +11,16 @@ thread while the caller's thread (the event loop) goes on receiving and sending:
 and every reader of the weights or the momentum (``weights``, ``lease``, the next
 ``apply``) first waits for it to be computed (:meth:`WeightStore.finish`), so nobody sees
 an update half done and updates are computed one at a time, in the order they were decided.
+A reader that can write bytes as they become final (a reply written by a sender thread)
+may instead lease the weights while they are computed (:meth:`WeightStore.lease_computing`):
+the update thread computes them in pieces, in order, and its :class:`Progress` says how
+many bytes are final.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +37,11 @@ from ..layout import Layout
 #: driver: at 580K values (its CNN) a step's push+pull is 0.3–1 ms shorter inline; at 1M
 #: values 4 learners without compute get 10–40% more updates/s inline; at 4M, about equal.
 BACKGROUND_MIN_VALUES = 1 << 21
+
+
+#: values per piece of an update computed in the background (8 MiB of float32): a reply
+#: leased while it is computed can write each piece as soon as it is final
+PIECE_VALUES = 1 << 21
 
 
 def off_loop(values: int) -> bool:
@@ -66,6 +76,38 @@ class Background:
         self._pool.shutdown(wait=True)
 
 
+class Progress:
+    """How many bytes of an update's output buffer are final, from its start (a
+    :class:`rudra_async.transports.offload.Gate`). Advanced by the update thread."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._final = 0
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+
+    def advance(self, final: int) -> None:
+        """The first ``final`` bytes are final now."""
+        with self._changed:
+            self._final = final
+            self._changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The update failed: no more bytes will become final."""
+        with self._changed:
+            self._error = error
+            self._changed.notify_all()
+
+    def wait(self, nbytes: int, timeout: float) -> int:
+        """Wait until the first ``nbytes`` bytes are final or ``timeout`` seconds passed;
+        return how many are final. Raises RuntimeError once the update failed."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._final >= nbytes or self._error is not None, timeout)
+            if self._error is not None:
+                raise RuntimeError(f"the update of these weights failed: {self._error!r}")
+            return self._final
+
+
 class WeightStore:
     """``kernel`` names the update backend (see :func:`rudra_async.kernels.resolve`);
     ``background`` the thread that computes updates of a model of at least
@@ -97,6 +139,7 @@ class WeightStore:
         self.update_seconds = 0.0  # time spent computing updates
         self._background = background if background is not None and off_loop(layout.size) else None
         self._in_flight: Future[None] | None = None  # the update being computed in the background
+        self._progress: Progress | None = None  # how much of its output is final
         self._after: list[Callable[[], None]] = []  # to call once it is computed
 
     @property
@@ -122,10 +165,25 @@ class WeightStore:
     def lease(self) -> Iterator[tuple[int, np.ndarray]]:
         """Hold the current (clock, weights) unchanged for the duration of the block."""
         self.finish()
+        with self._hold() as buf:
+            yield self.clock, buf
+
+    @contextlib.contextmanager
+    def lease_computing(self) -> Iterator[tuple[int, np.ndarray, Progress | None]]:
+        """:meth:`lease` without waiting for the update in flight: (clock, weights, progress),
+        where ``progress`` says how many bytes of the weights are final (None: all are).
+        Bytes once final stay unchanged for the duration of the block."""
+        progress = self._progress if self._in_flight is not None else None
+        with self._hold() as buf:
+            yield self.clock, buf, progress
+
+    @contextlib.contextmanager
+    def _hold(self) -> Iterator[np.ndarray]:
+        """The current buffer, which no update writes into while it is held (but the one in flight)."""
         buf, key = self._current, id(self._current)
         self._leases[key] = self._leases.get(key, 0) + 1
         try:
-            yield self.clock, buf
+            yield buf
         finally:
             self._leases[key] -= 1
             if not self._leases[key]:
@@ -160,7 +218,8 @@ class WeightStore:
                 _call_all(after)
             else:
                 background, self._after = self._background, list(after)
-                self._in_flight = background.submit(self._compute, src, dst, grads, scales, steps)
+                self._progress = progress = Progress(dst.nbytes)
+                self._in_flight = background.submit(self._compute_reporting, progress, src, dst, grads, scales, steps)
                 self._in_flight.add_done_callback(lambda _: background.wake())
             return True
         saved = self.updater.momentum
@@ -179,16 +238,49 @@ class WeightStore:
         return False
 
     def _compute(
-        self, src: np.ndarray, dst: np.ndarray, grads: Sequence[np.ndarray], scales: Sequence[float], steps: Steps
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        steps: Steps,
+        progress: Progress | None = None,
     ) -> None:
+        """Compute the update into ``dst``; with ``progress``, piece by piece in order (if the
+        backend can), advancing it after each piece."""
         t0 = time.perf_counter()
-        self.updater.apply(src, dst, grads, scales, steps)
+        updater, size = self.updater, self.layout.size
+        if progress is None or not updater.partial:
+            updater.apply(src, dst, grads, scales, steps)
+        else:
+            piece = max(PIECE_VALUES // updater.grain, 1) * updater.grain  # same bits as a whole update
+            for lo in range(0, size, piece):
+                hi = min(lo + piece, size)
+                updater.apply(src, dst, grads, scales, steps, span=(lo, hi))
+                progress.advance(4 * hi)
         self.update_seconds += time.perf_counter() - t0
+
+    def _compute_reporting(
+        self,
+        progress: Progress,
+        src: np.ndarray,
+        dst: np.ndarray,
+        grads: Sequence[np.ndarray],
+        scales: Sequence[float],
+        steps: Steps,
+    ) -> None:
+        """:meth:`_compute` on the update thread; ``progress`` ends complete or failed."""
+        try:
+            self._compute(src, dst, grads, scales, steps, progress)
+        except BaseException as exc:
+            progress.fail(exc)
+            raise
+        progress.advance(progress.nbytes)
 
     def finish(self) -> None:
         """Wait until the background update, if any, is computed, and call its ``after``
         callbacks (an error of the update is raised here)."""
-        job, self._in_flight = self._in_flight, None
+        job, self._in_flight, self._progress = self._in_flight, None, None
         if job is None:
             return
         after, self._after = self._after, []

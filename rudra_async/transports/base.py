@@ -70,6 +70,9 @@ arrives through the subclass API:
 - Optionally ``nowait_room(body_bytes)`` and ``send_nowait(...)``: sending a frame from a
   callback, without awaiting (a stream does when its write buffer is empty); the default
   is "never", and ``send`` is all a transport must have.
+- Optionally ``sends_computing(body_bytes)`` and ``send_computing(..., gate)``: sending a
+  body another thread is still computing, each byte once ``gate`` says it is final (a
+  stream whose sender thread writes the frame); the default is "never".
 - Traffic: :attr:`Connection.bytes_in` counts what ``_advance`` reads; a transport passes
   each encoded frame through ``_sending(parts)`` (counted in :attr:`Connection.bytes_out`)
   and adds bytes that move outside the frames (a body in shared memory) itself.
@@ -100,6 +103,7 @@ from ..wire import Admit, Allocator, Frame, FrameReader, Header, Limits
 
 if TYPE_CHECKING:
     from .blocking import BlockingConnection
+    from .offload import Gate
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +197,19 @@ class Connection(abc.ABC):
         for its body (no ``await`` in between). The transport may read the arrays after
         this returns, so pass arrays nobody changes. Raises as :meth:`send` does."""
         raise NotImplementedError(f"{type(self).__name__} sends only with send()")
+
+    def sends_computing(self, body_bytes: int) -> bool:
+        """Whether :meth:`send_computing` can send a frame with a body of ``body_bytes``
+        now. Default: False (the transport sends only finished bodies)."""
+        return False
+
+    async def send_computing(
+        self, msg_type: int, meta: dict[str, Any] | None, arrays: Sequence[np.ndarray], gate: Gate
+    ) -> None:
+        """:meth:`send` a frame whose body is still being computed by another thread: each
+        byte is written once ``gate`` says it is final. Only right after
+        :meth:`sends_computing` said True for its body (no ``await`` in between)."""
+        raise NotImplementedError(f"{type(self).__name__} sends only finished bodies")
 
     @property
     def is_closed(self) -> bool:

@@ -9,6 +9,10 @@ which writes it with ``sendmsg`` (without the GIL) while the loop goes on; ``sen
 returns once the thread has written every byte, as before. Frames stay in order: while a
 thread writes one, the connection's next frame waits for it.
 
+A frame may also be sent while its body is still being computed (a server's reply with the
+weights of an update that its update thread is computing): a :class:`Gate` tells the
+thread how many bytes of the body are final, and the thread writes no byte before it is.
+
 Not offloaded: TLS connections (the TLS layer writes through the loop), and a frame that
 finds bytes still waiting in the loop's write buffer.
 
@@ -24,6 +28,7 @@ import select
 import socket
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 from ..errors import ConfigError, ConnectionClosed
 from ..options import env_value
@@ -60,8 +65,29 @@ def wanted(body_bytes: int) -> bool:
     return 0 < _min_bytes <= body_bytes
 
 
+class Gate(Protocol):
+    """How much of a body being computed is final: its first bytes, in order."""
+
+    def wait(self, nbytes: int, timeout: float) -> int:
+        """Wait until at least the first ``nbytes`` bytes are final, or ``timeout`` seconds;
+        return how many are final now. Raises if the computation failed (nothing more
+        will become final)."""
+        ...
+
+
+def wait_final(gate: Gate, nbytes: int) -> None:
+    """Block until the first ``nbytes`` bytes behind ``gate`` are final."""
+    while gate.wait(nbytes, STOP_CHECK_S) < nbytes:
+        pass
+
+
 def start(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: Sequence[bytes | memoryview], stop: threading.Event
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    parts: Sequence[bytes | memoryview],
+    stop: threading.Event,
+    gate: Gate | None = None,
+    body_at: int = 0,
 ) -> asyncio.Future[None]:
     """Run :func:`write_all` in a new daemon thread (a thread whose peer never reads again
     cannot hold up the process's exit); the future, of ``loop``, gets its outcome (marked
@@ -80,7 +106,7 @@ def start(
     def run() -> None:
         error: Exception | None = None
         try:
-            write_all(sock, parts, stop)
+            write_all(sock, parts, stop, gate, body_at)
         except Exception as exc:  # reported to the sender, whatever it is
             error = exc
         try:
@@ -92,27 +118,45 @@ def start(
     return done
 
 
-def write_all(sock: socket.socket, parts: Sequence[bytes | memoryview], stop: threading.Event) -> None:
+def write_all(
+    sock: socket.socket,
+    parts: Sequence[bytes | memoryview],
+    stop: threading.Event,
+    gate: Gate | None = None,
+    body_at: int = 0,
+) -> None:
     """Write ``parts`` in order to the non-blocking ``sock``, waiting for room as needed,
     then close ``sock`` (a duplicate of the connection's socket: the connection stays).
-    Raises ConnectionClosed once ``stop`` is set (checked at least every ``STOP_CHECK_S``
-    while waiting), and the OSError of a broken link. Never raises SIGPIPE."""
+    With a ``gate``, the bytes from ``body_at`` on (the body) are written only once the gate
+    says they are final. Raises ConnectionClosed once ``stop`` is set (checked at least
+    every ``STOP_CHECK_S`` while waiting), the OSError of a broken link, and the gate's
+    error. Never raises SIGPIPE."""
     with sock:
-        _write_all(sock, parts, stop)
+        _write_all(sock, parts, stop, gate, body_at)
 
 
-def _write_all(sock: socket.socket, parts: Sequence[bytes | memoryview], stop: threading.Event) -> None:
+def _write_all(
+    sock: socket.socket, parts: Sequence[bytes | memoryview], stop: threading.Event, gate: Gate | None, body_at: int
+) -> None:
     views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    total = sum(v.nbytes for v in views)
+    final = total if gate is None else body_at  # bytes that may be written
+    written = 0
     waiter = select.poll()
     waiter.register(sock.fileno(), select.POLLOUT)
     while views:
         if stop.is_set():
             raise ConnectionClosed("the connection was closed while a frame was being written")
+        if written == final:
+            assert gate is not None, "without a gate every byte is final"
+            final = min(total, body_at + gate.wait(written - body_at + 1, STOP_CHECK_S))
+            continue
         try:
-            sent = sock.sendmsg(views[:_IOV_MAX], (), socket.MSG_NOSIGNAL)
+            sent = sock.sendmsg(_prefix(views[:_IOV_MAX], final - written), (), socket.MSG_NOSIGNAL)
         except BlockingIOError:
             waiter.poll(STOP_CHECK_S * 1000)
             continue
+        written += sent
         while sent:
             head = views[0]
             if sent < head.nbytes:
@@ -120,3 +164,14 @@ def _write_all(sock: socket.socket, parts: Sequence[bytes | memoryview], stop: t
                 break
             sent -= head.nbytes
             views.pop(0)
+
+
+def _prefix(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The first ``nbytes`` bytes of ``views`` (all of them if they hold no more)."""
+    out: list[memoryview] = []
+    for v in views:
+        if nbytes <= 0:
+            break
+        out.append(v if v.nbytes <= nbytes else v[:nbytes])
+        nbytes -= v.nbytes
+    return out

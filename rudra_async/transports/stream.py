@@ -93,14 +93,30 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     # -- the Connection subclass API -----------------------------------------------------
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        parts = encode_frame(msg_type, meta, arrays, self.limits)
+        await self._send_frame(encode_frame(msg_type, meta, arrays, self.limits), None)
+
+    def sends_computing(self, body_bytes: int) -> bool:
+        """True while a body of ``body_bytes`` would be written by a sender thread, which
+        writes each byte as soon as it is final (see :mod:`.offload`)."""
+        return not self.is_closed and self._thread_socket_ok(body_bytes)
+
+    async def send_computing(
+        self, msg_type: int, meta: dict[str, Any] | None, arrays: Sequence[np.ndarray], gate: offload.Gate
+    ) -> None:
+        await self._send_frame(encode_frame(msg_type, meta, arrays, self.limits), gate)
+
+    async def _send_frame(self, parts: list[bytes | memoryview], gate: offload.Gate | None) -> None:
         while (job := self._thread_writing()) is not None:
             await asyncio.wait([job])  # frames stay in order
         self._check_open()
-        sock = self._thread_socket(sum(len(p) for p in parts[1:]))  # the body: uint8 views
+        body_bytes = sum(len(p) for p in parts[1:])  # the body: uint8 views
+        sock = self._thread_socket(body_bytes)
         if sock is not None:
-            await self._write_in_thread(sock, self._sending(parts))
+            await self._write_in_thread(sock, self._sending(parts), gate, len(parts[0]))
             return
+        if gate is not None:  # the loop writes this frame: only once all of it is final
+            await asyncio.to_thread(offload.wait_final, gate, body_bytes)
+            self._check_open()
         self._write(parts)
         self._poller.sent()
         transport = self._transport
@@ -150,22 +166,32 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     def _thread_socket(self, body_bytes: int) -> socket.socket | None:
         """A duplicate of the socket for a sender thread to write a frame with a body of
         ``body_bytes`` to, or None where the loop writes it (see :mod:`.offload`)."""
-        transport = self._transport
-        if transport is None or not offload.wanted(body_bytes) or transport.get_write_buffer_size():
+        if not self._thread_socket_ok(body_bytes):
             return None
-        if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None:
-            return None
-        raw = transport.get_extra_info("socket")
-        if raw is None:
-            return None
+        assert self._transport is not None, "checked by _thread_socket_ok"
+        raw = self._transport.get_extra_info("socket")
         sock = socket.socket(fileno=os.dup(raw.fileno()))
         sock.settimeout(0.0)
         return sock
 
-    async def _write_in_thread(self, sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-        """Write a frame to ``sock`` in a sender thread; return once every byte is written.
-        Cancelled, or failing midway, the connection ends (part of a frame may be out)."""
-        job = self._thread_write = offload.start(asyncio.get_running_loop(), sock, parts, self._thread_stop)
+    def _thread_socket_ok(self, body_bytes: int) -> bool:
+        """Whether a sender thread may write a frame with a body of ``body_bytes`` now."""
+        transport = self._transport
+        if transport is None or not offload.wanted(body_bytes) or transport.get_write_buffer_size():
+            return False
+        if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None:
+            return False
+        return transport.get_extra_info("socket") is not None
+
+    async def _write_in_thread(
+        self, sock: socket.socket, parts: list[bytes | memoryview], gate: offload.Gate | None, body_at: int
+    ) -> None:
+        """Write a frame to ``sock`` in a sender thread (the body, from byte ``body_at`` on,
+        as ``gate`` lets it); return once every byte is written. Cancelled, or failing
+        midway, the connection ends (part of a frame may be out)."""
+        job = self._thread_write = offload.start(
+            asyncio.get_running_loop(), sock, parts, self._thread_stop, gate, body_at
+        )
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -179,6 +205,9 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             if self._transport is not None:
                 self._transport.abort()
             self._check_open()  # raises that PeerGone
+        except Exception:  # the gate's computation failed: the frame can never be completed
+            self.close()
+            raise
         self._poller.sent()  # every byte went out: a peer that answered and left since is for recv to report
 
     def _on_consumed(self) -> None:
