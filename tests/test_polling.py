@@ -90,7 +90,7 @@ def blocking_pair():
 
 
 def test_a_blocking_connection_polls_the_first_read_after_a_send(window):
-    window(0.5)  # long enough for the peer's thread on a loaded host
+    window(1.0)  # long enough for the peer's thread on a loaded host
     conn, peer = blocking_pair()
     try:
         credit = conn._polling.credit
@@ -102,6 +102,9 @@ def test_a_blocking_connection_polls_the_first_read_after_a_send(window):
             while not frames:
                 n = peer.recv_into(reader.get_buffer())
                 frames = reader.advance(n)
+            # answer once the read is surely polling: a reply already there when it looks is
+            # neither a catch nor a miss (below), which made this test flaky on a busy host
+            time.sleep(0.2)
             peer.sendall(frame_bytes(MsgType.WEIGHTS, {"seq": 1}, [frames[0].arrays[0] * 2]))
 
         helper = threading.Thread(target=answer)
