@@ -86,9 +86,10 @@ def as_groups(steps: Steps, size: int) -> Sequence[Group]:
     return steps
 
 
-def within(steps: Steps, size: int, span: tuple[int, int]) -> list[Group]:
-    """The groups of ``steps`` (covering [0, size)) cut to ``span`` = [lo, hi), empty ones left out."""
-    lo, hi = span
+def within(steps: Steps, size: int, span: tuple[int, int] | None = None) -> list[Group]:
+    """The groups of ``steps`` (covering [0, size)) cut to ``span`` = [lo, hi) (None: the
+    whole vector), empty ones left out."""
+    lo, hi = span or (0, size)
     if not 0 <= lo <= hi <= size:
         raise ValueError(f"span [{lo}, {hi}) is not within [0, {size})")
     cut = (Group(max(g.lo, lo), min(g.hi, hi), g.sgd) for g in as_groups(steps, size))

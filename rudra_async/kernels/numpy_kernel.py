@@ -68,6 +68,6 @@ class NumpyUpdater(HostUpdater):
         span: tuple[int, int] | None = None,
     ) -> None:
         check_batch(grads, scales, self.size)
-        for g in within(steps, self.size, span or (0, self.size)):
+        for g in within(steps, self.size, span):
             part = slice(g.lo, g.hi)
             apply(w[part], w_out[part], self._v[part], [x[part] for x in grads], scales, g.sgd)

@@ -173,9 +173,8 @@ class WeightStore:
         """:meth:`lease` without waiting for the update in flight: (clock, weights, progress),
         where ``progress`` says how many bytes of the weights are final (None: all are).
         Bytes once final stay unchanged for the duration of the block."""
-        progress = self._progress if self._in_flight is not None else None
         with self._hold() as buf:
-            yield self.clock, buf, progress
+            yield self.clock, buf, self._progress  # set exactly while an update is in flight
 
     @contextlib.contextmanager
     def _hold(self) -> Iterator[np.ndarray]:
@@ -219,7 +218,7 @@ class WeightStore:
             else:
                 background, self._after = self._background, list(after)
                 self._progress = progress = Progress(dst.nbytes)
-                self._in_flight = background.submit(self._compute_reporting, progress, src, dst, grads, scales, steps)
+                self._in_flight = background.submit(self._compute, src, dst, grads, scales, steps, progress)
                 self._in_flight.add_done_callback(lambda _: background.wake())
             return True
         saved = self.updater.momentum
@@ -247,35 +246,25 @@ class WeightStore:
         progress: Progress | None = None,
     ) -> None:
         """Compute the update into ``dst``; with ``progress``, piece by piece in order (if the
-        backend can), advancing it after each piece."""
+        backend can), advancing it after each piece; it ends complete or failed."""
         t0 = time.perf_counter()
         updater, size = self.updater, self.layout.size
-        if progress is None or not updater.partial:
-            updater.apply(src, dst, grads, scales, steps)
-        else:
-            piece = max(PIECE_VALUES // updater.grain, 1) * updater.grain  # same bits as a whole update
-            for lo in range(0, size, piece):
-                hi = min(lo + piece, size)
-                updater.apply(src, dst, grads, scales, steps, span=(lo, hi))
-                progress.advance(4 * hi)
-        self.update_seconds += time.perf_counter() - t0
-
-    def _compute_reporting(
-        self,
-        progress: Progress,
-        src: np.ndarray,
-        dst: np.ndarray,
-        grads: Sequence[np.ndarray],
-        scales: Sequence[float],
-        steps: Steps,
-    ) -> None:
-        """:meth:`_compute` on the update thread; ``progress`` ends complete or failed."""
         try:
-            self._compute(src, dst, grads, scales, steps, progress)
+            if progress is None or not updater.partial:
+                updater.apply(src, dst, grads, scales, steps)
+            else:
+                piece = max(PIECE_VALUES // updater.grain, 1) * updater.grain  # same bits as a whole update
+                for lo in range(0, size, piece):
+                    hi = min(lo + piece, size)
+                    updater.apply(src, dst, grads, scales, steps, span=(lo, hi))
+                    progress.advance(4 * hi)
         except BaseException as exc:
-            progress.fail(exc)
+            if progress is not None:
+                progress.fail(exc)
             raise
-        progress.advance(progress.nbytes)
+        if progress is not None:
+            progress.advance(progress.nbytes)
+        self.update_seconds += time.perf_counter() - t0
 
     def finish(self) -> None:
         """Wait until the background update, if any, is computed, and call its ``after``
