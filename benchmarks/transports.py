@@ -15,6 +15,8 @@ shared memory and the second by another process from that segment into its own, 
 copy timed by the process that makes it (no notification in the figure).
 
     python benchmarks/transports.py [--reps 10] [--only tcp,shm,ucx]
+
+Each size runs ``--reps`` round trips or enough to move ``MIN_BYTES``, whichever is more.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ from rudra_async.wire import MsgType
 
 SIZES = [1_000_000, 16_000_000, 100_000_000]
 SMALL = 256
+#: bytes each size's round trips move at least: 10 round trips of 1 MB are over in ~3 ms, too
+#: few for a median on a shared host (they gave 0.19x where 300 gave 0.38x), so small sizes run more
+MIN_BYTES = 4_000_000_000
+
+
+def reps_for(nbytes: int, reps: int) -> int:
+    """Round trips to time for a body of ``nbytes``: ``reps``, or more for a small body."""
+    return max(reps, MIN_BYTES // (2 * nbytes))
 
 
 def _serve_echo(url: str, q) -> None:
@@ -205,17 +215,20 @@ def main() -> None:
     ap.add_argument("--only", default="tcp,shm,ucx")
     args = ap.parse_args()
     baseline_name = {"tcp": "raw uvloop socket", "shm": "memcpy x2", "ucx": "raw ucxx"}
-    print(f"push+pull round trip through the transport API, echo peer in another process; median of {args.reps}")
+    print(
+        "push+pull round trip through the transport API, echo peer in another process; median of "
+        f"{args.reps} or more (at least {MIN_BYTES / 1e9:g} GB moved per size)"
+    )
     for scheme in args.only.split(","):
         for n in SIZES:
-            base, ours = measure(scheme, n, args.reps)
+            base, ours = measure(scheme, n, reps_for(n, args.reps))
             gb = lambda t: 2 * n / t / 1e9
             print(
                 f"  {scheme:3} {n / 1e6:5.0f} MB: {baseline_name[scheme]:17} {gb(base):6.2f} GB/s   "
                 f"{scheme} {gb(ours):6.2f} GB/s   ratio {base / ours:4.2f}x"
             )
             if scheme == "shm":
-                split = statistics.median(two_process_copies(n, args.reps))
+                split = statistics.median(two_process_copies(n, reps_for(n, args.reps)))
                 print(
                     f"  {'':3} {'':5}    where it goes: the same copies in two processes {gb(split):6.2f} GB/s"
                     f"   ratio {split / ours:4.2f}x"
