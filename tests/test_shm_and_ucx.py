@@ -14,12 +14,14 @@ from multiprocessing import shared_memory
 
 import msgpack
 import numpy as np
+import pytest
 from helpers import CLI_ARGS, reap, run_cli, run_server, sgd_reference, subprocess_env
 
 from rudra_async import transports
 from rudra_async.client import Client
 from rudra_async.eventloop import run_sync
 from rudra_async.layout import Layout
+from rudra_async.server import store
 from rudra_async.transports import shm
 from rudra_async.wire import MsgType
 
@@ -371,10 +373,18 @@ class DocsOnlyShmLearner:
         self.seg.unlink()
 
 
-async def test_a_learner_written_from_the_docs_alone_trains_over_shm():
+@pytest.mark.parametrize("paths", ["defaults", "large-model paths"])
+async def test_a_learner_written_from_the_docs_alone_trains_over_shm(paths, monkeypatch, send_threads):
     """Initial weights and gradients go by reference with tickets, weights come back by
     reference without one; the server returns each body through the control block alone,
-    and with a RELEASE notice once the learner says it waits; the updates are SGD's, bit for bit."""
+    and with a RELEASE notice once the learner says it waits; the updates are SGD's, bit for bit.
+    ``large-model paths``: updates computed off the loop in pieces and a stream's large
+    frames written by sender threads while computed; over shm the weights must still go by
+    reference (a reply with a body fails the learner's ``recv``)."""
+    if paths == "large-model paths":
+        monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+        monkeypatch.setattr(store, "PIECE_VALUES", 1000)
+        send_threads(1)
     size = 50_000  # 200 KB: every body travels by reference
     rng = np.random.default_rng(3)
     w0 = rng.standard_normal(size).astype(np.float32)

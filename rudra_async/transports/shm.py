@@ -416,6 +416,11 @@ class ShmConnection(StreamConnection):
                 waiter.set_result(None)
         self._lent.clear()
 
+    def sends_computing(self, body_bytes: int) -> bool:
+        """Never: a large body goes by reference in shared memory once it is final (the stream
+        way, writing it to the socket while it is computed, would move every byte through it)."""
+        return False
+
     def nowait_room(self, body_bytes: int) -> bool:
         """Only a body that goes inline is sent without waiting (a shared one waits for a segment)."""
         return body_bytes <= INLINE and super().nowait_room(body_bytes)
