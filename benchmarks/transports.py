@@ -44,7 +44,7 @@ from rudra_async.wire import MsgType
 SIZES = [1_000_000, 16_000_000, 100_000_000]
 SMALL = 256
 #: bytes each size's round trips move at least: 10 round trips of 1 MB are over in ~3 ms, too
-#: few for a median on a shared host (they gave 0.19x where 300 gave 0.38x), so small sizes run more
+#: few for a median on a shared host (they gave 0.19x where 2,000 gave 0.38x), so small sizes run more
 MIN_BYTES = 4_000_000_000
 
 
