@@ -269,6 +269,40 @@ def test_a_lease_taken_while_the_update_is_computed_sees_each_piece_once_it_is_f
     background.close()
 
 
+@pytest.mark.parametrize("kernel", ["numpy", "torch"])
+def test_an_update_into_a_spare_buffer_is_copied_ahead_and_gives_the_same_bits(off_loop, monkeypatch, kernel):
+    """While the published weights are leased, the update goes into a spare buffer: the
+    check thread copies the weights there span by span and the update thread steps each
+    span in place. The leased buffer never changes, and every update (spare or in place)
+    equals the same updates computed inline, bit for bit."""
+    monkeypatch.setattr(store, "PIECE_VALUES", 250)  # numpy: 4 spans; torch: one (its grain is 2^20)
+    background = Background()
+    copies = []
+    check = background.check
+    background.check = lambda fn, *args: copies.append(fn) or check(fn, *args)
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal(N).astype(np.float32)
+    ws = WeightStore(LAYOUT, w0, kernel, background=background)
+    inline = WeightStore(LAYOUT, w0, kernel)
+    for step in range(3):
+        g = rng.standard_normal(N).astype(np.float32)
+        inline.apply([g], [1.0], STEPS)
+        if step == 1:  # in place: nothing leased
+            ws.apply([g], [1.0], STEPS)
+            continue
+        with ws.lease() as (_, held):
+            before = held.copy()
+            ws.apply([g], [1.0], STEPS)
+            ws.finish()
+            np.testing.assert_array_equal(held, before)
+        np.testing.assert_array_equal(ws.weights, inline.weights)
+    np.testing.assert_array_equal(ws.weights, inline.weights)
+    np.testing.assert_array_equal(ws.updater.momentum, inline.updater.momentum)
+    assert copies.count(np.copyto) == 2 * (4 if kernel == "numpy" else 1)
+    ws.close()
+    background.close()
+
+
 def test_the_progress_of_a_failed_update_raises_for_its_readers(off_loop):
     background = Background()
     ws = WeightStore(LAYOUT, np.zeros(N, np.float32), "numpy", background=background)

@@ -254,9 +254,14 @@ class WeightStore:
                 updater.apply(src, dst, grads, scales, steps)
             else:
                 piece = max(PIECE_VALUES // updater.grain, 1) * updater.grain  # same bits as a whole update
-                for lo in range(0, size, piece):
-                    hi = min(lo + piece, size)
-                    updater.apply(src, dst, grads, scales, steps, span=(lo, hi))
+                spans = [(lo, min(lo + piece, size)) for lo in range(0, size, piece)]
+                copies = self._copy_ahead(src, dst, spans)
+                for (lo, hi), copied in zip(spans, copies):
+                    if copied is None:
+                        updater.apply(src, dst, grads, scales, steps, span=(lo, hi))
+                    else:  # dst holds src's values there: the same step, in place
+                        copied.result()
+                        updater.apply(dst, dst, grads, scales, steps, span=(lo, hi))
                     progress.advance(4 * hi)
         except BaseException as exc:
             if progress is not None:
@@ -265,6 +270,15 @@ class WeightStore:
         if progress is not None:
             progress.advance(progress.nbytes)
         self.update_seconds += time.perf_counter() - t0
+
+    def _copy_ahead(self, src: np.ndarray, dst: np.ndarray, spans: list[tuple[int, int]]) -> list[Future[None] | None]:
+        """For an update into a spare buffer: copy ``src`` into ``dst`` span by span on the
+        check thread (queued now, in order), so the update thread steps each span in place
+        while the next is copied; None per span where the update copies it itself."""
+        if src is dst or self._background is None:
+            return [None] * len(spans)
+        check = self._background.check
+        return [check(np.copyto, dst[lo:hi], src[lo:hi]) for lo, hi in spans]
 
     def finish(self) -> None:
         """Wait until the background update, if any, is computed, and call its ``after``
