@@ -256,12 +256,10 @@ class WeightStore:
                 piece = max(PIECE_VALUES // updater.grain, 1) * updater.grain  # same bits as a whole update
                 spans = [(lo, min(lo + piece, size)) for lo in range(0, size, piece)]
                 copies = self._copy_ahead(src, dst, spans)
-                for (lo, hi), copied in zip(spans, copies):
-                    if copied is None:
-                        updater.apply(src, dst, grads, scales, steps, span=(lo, hi))
-                    else:  # dst holds src's values there: the same step, in place
-                        copied.result()
-                        updater.apply(dst, dst, grads, scales, steps, span=(lo, hi))
+                for i, (lo, hi) in enumerate(spans):
+                    if copies is not None:  # dst holds src's values there once copied: the same step, in place
+                        copies[i].result()
+                    updater.apply(src if copies is None else dst, dst, grads, scales, steps, span=(lo, hi))
                     progress.advance(4 * hi)
         except BaseException as exc:
             if progress is not None:
@@ -271,12 +269,12 @@ class WeightStore:
             progress.advance(progress.nbytes)
         self.update_seconds += time.perf_counter() - t0
 
-    def _copy_ahead(self, src: np.ndarray, dst: np.ndarray, spans: list[tuple[int, int]]) -> list[Future[None] | None]:
+    def _copy_ahead(self, src: np.ndarray, dst: np.ndarray, spans: list[tuple[int, int]]) -> list[Future[None]] | None:
         """For an update into a spare buffer: copy ``src`` into ``dst`` span by span on the
-        check thread (queued now, in order), so the update thread steps each span in place
-        while the next is copied; None per span where the update copies it itself."""
+        check thread (queued now, in order), one future per span, so the update thread steps
+        each span in place while the next is copied; None where there is nothing to copy."""
         if src is dst or self._background is None:
-            return [None] * len(spans)
+            return None
         check = self._background.check
         return [check(np.copyto, dst[lo:hi], src[lo:hi]) for lo, hi in spans]
 
