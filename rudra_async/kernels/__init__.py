@@ -92,7 +92,8 @@ def within(steps: Steps, size: int, span: tuple[int, int] | None = None) -> list
     lo, hi = span or (0, size)
     if not 0 <= lo <= hi <= size:
         raise ValueError(f"span [{lo}, {hi}) is not within [0, {size})")
-    cut = (Group(max(g.lo, lo), min(g.hi, hi), g.sgd) for g in as_groups(steps, size))
+    whole = lo == 0 and hi == size  # the groups as they are (making new ones costs a small update ~2 µs)
+    cut = (g if whole else Group(max(g.lo, lo), min(g.hi, hi), g.sgd) for g in as_groups(steps, size))
     return [g for g in cut if g.lo < g.hi]
 
 

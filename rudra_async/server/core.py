@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from .. import __version__, kernels, registry, schema
 from ..checkpoint import Checkpoint
 from ..config import ServerConfig
 from ..errors import CheckpointError, ConfigError, RequestError, RudraError
-from ..kernels import SGD, max_abs
+from ..kernels import SGD, Group, max_abs
 from ..layout import Layout, Shard
 from ..logs import rate_limited
 from ..lr import LRPolicy, Schedule
@@ -200,6 +200,7 @@ class ServerCore:
         self._departed: collections.deque[int] = collections.deque()
         self._weights_bound = 0.0  # ≥ max |θ| (exact after a check, grows by each update's bound)
         self._momentum_bound = 0.0  # ≥ max |v|
+        self._last_steps: tuple[dict[float, float], Sequence[Group], SGD] | None = None  # see _steps
         self._shared_memory = shared_memory
         self._background = background
         self._on_change, self._on_update, self._now = on_change, on_update, now
@@ -623,18 +624,9 @@ class ServerCore:
         pendings: list[PendingGradient] = [g.payload for g in batch]
         samples = sum(p.samples for p in pendings)
         epoch = self.samples / cfg.samples_per_epoch if cfg.samples_per_epoch else None
-        layout = self.layout
-        assert layout is not None, "the store exists, so the layout does"
-        steps = steps_for(
-            self.groups,
-            layout,
-            self.shard.range(layout.size),
-            lambda lr: self.schedule.rate(clock, epoch, samples or None, base=lr),
-            cfg.momentum,
-            cfg.nesterov,
-        )
+        rate = self.schedule.rate
+        steps, worst = self._steps({g.lr: rate(clock, epoch, samples or None, base=g.lr) for g in self.groups})
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
-        worst = SGD(max(g.sgd.lr for g in steps), cfg.momentum, max(g.sgd.weight_decay for g in steps), cfg.nesterov)
         weights_bound, momentum_bound = self._bounds(pendings, scales, worst)  # the largest group's rates bound all
         grads = [p.grad for p in pendings]
         releases = [p.frame.release for p in pendings]  # once the update has read the gradients
@@ -662,6 +654,20 @@ class ServerCore:
                 info.applied += 1
                 info.staleness_sum += s
             p.settle("applied", s, release=False)
+
+    def _steps(self, rates: dict[float, float]) -> tuple[Sequence[Group], SGD]:
+        """The kernel's groups for an update whose learning rates are ``rates`` (base rate →
+        this update's rate), and the settings that bound them all (the largest rate and weight
+        decay). The last update's again while its rates were the same (a constant schedule's
+        always): building them costs a small update a few microseconds."""
+        if self._last_steps is None or self._last_steps[0] != rates:
+            layout, cfg = self.layout, self.config
+            assert layout is not None, "an update needs the store, so the layout exists"
+            span = self.shard.range(layout.size)
+            steps = tuple(steps_for(self.groups, layout, span, rates.__getitem__, cfg.momentum, cfg.nesterov))
+            lr, decay = max(g.sgd.lr for g in steps), max(g.sgd.weight_decay for g in steps)
+            self._last_steps = (rates, steps, SGD(lr, cfg.momentum, decay, cfg.nesterov))
+        return self._last_steps[1], self._last_steps[2]
 
     def _bounds(self, pendings: list[PendingGradient], scales: list[float], sgd: SGD) -> tuple[float, float]:
         """Upper bounds of max |θ| and max |v| after this update, and (through them) of every
