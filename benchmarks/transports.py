@@ -12,7 +12,11 @@ then the small-message (256 B) round-trip latency of each, next to the same base
 For shm it also prints where the round trip's time goes beside memcpy x2 in one process:
 the same two copies made as the transport makes them, the first by this process into
 shared memory and the second by another process from that segment into its own, each
-copy timed by the process that makes it (no notification in the figure).
+copy timed by the process that makes it (no notification in the figure); and beside its
+small round trip, what a notification costs at the least between two processes on two
+CPUs: a Unix-socket ping-pong of the same bytes (the socket the transport notifies
+through), each side blocked in ``recv`` or spinning, and a counter in shared memory that
+both spin on (the floor of an eventfd- or futex-like path).
 
     python benchmarks/transports.py [--reps 10] [--only tcp,shm,ucx]
 
@@ -24,7 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -174,6 +180,111 @@ def two_process_copies(nbytes: int, reps: int) -> list[float]:
     return times[1:]
 
 
+def _receive(sock: socket.socket, buf: bytearray, spin: bool) -> int:
+    """Fill ``buf`` from ``sock``: blocking (the process sleeps until bytes come) or spinning
+    on non-blocking reads; 0 at the end of the stream."""
+    got = 0
+    while got < len(buf):
+        try:
+            n = sock.recv_into(memoryview(buf)[got:], 0, socket.MSG_DONTWAIT if spin else 0)
+        except BlockingIOError:
+            continue
+        if not n:
+            return 0
+        got += n
+    return got
+
+
+def _echo_socket(sock: socket.socket, spin: bool, cpu: int | None) -> None:
+    """The peer of :func:`socket_ping_pong`: send back what arrives, until the end of the stream."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    buf = bytearray(SMALL)
+    while _receive(sock, buf, spin):
+        sock.sendall(buf)
+
+
+def _other_cpus() -> tuple[int, int] | None:
+    """Two CPUs this process may run on, or None with fewer than two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
+
+
+def socket_ping_pong(reps: int, spin: bool) -> list[float]:
+    """Seconds per round trip of SMALL bytes over a Unix socket between two processes on two
+    CPUs, each waiting blocked or spinning: what a notification over the transport's socket
+    costs at the least."""
+    cpus, mask = _other_cpus(), os.sched_getaffinity(0)
+    here, there = socket.socketpair()
+    child = mp.get_context("spawn").Process(
+        target=_echo_socket, args=(there, spin, cpus[1] if cpus else None), daemon=True
+    )
+    child.start()
+    there.close()
+    if cpus:
+        os.sched_setaffinity(0, {cpus[0]})
+    msg, buf, times = bytes(SMALL), bytearray(SMALL), []
+    try:
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            here.sendall(msg)
+            _receive(here, buf, spin)
+            times.append(time.perf_counter() - t)
+    finally:
+        os.sched_setaffinity(0, mask)
+        here.close()
+        child.join(10)
+    return times[1:]
+
+
+def _echo_counter(name: str, cpu: int | None) -> None:
+    """The peer of :func:`counter_ping_pong`: copy word 0 into word 1 each time it changes;
+    stop at -1, or after 10 s without a change."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    shm = _Attached(name)
+    words = np.frombuffer(shm.buf, np.int64, 2)
+    seen, since = 0, time.monotonic()
+    while seen >= 0 and time.monotonic() - since < 10:
+        now = int(words[0])
+        if now != seen:
+            seen, since = now, time.monotonic()
+            words[1] = now
+    del words
+    shm.close()
+
+
+def counter_ping_pong(reps: int) -> list[float]:
+    """Seconds per round trip of a counter in shared memory between two processes on two
+    CPUs that both spin (no system call): the floor of any notification path."""
+    cpus, mask = _other_cpus(), os.sched_getaffinity(0)
+    segment = shared_memory.SharedMemory(create=True, size=16)
+    words = np.ndarray((2,), np.int64, segment.buf)
+    words[:] = 0
+    child = mp.get_context("spawn").Process(
+        target=_echo_counter, args=(segment.name, cpus[1] if cpus else None), daemon=True
+    )
+    child.start()
+    if cpus:
+        os.sched_setaffinity(0, {cpus[0]})
+    times = []
+    try:
+        for i in range(1, reps + 2):
+            t, deadline = time.perf_counter(), time.monotonic() + 10
+            words[0] = i
+            while words[1] != i and time.monotonic() < deadline:
+                pass
+            times.append(time.perf_counter() - t)
+        words[0] = -1
+        child.join(10)
+    finally:
+        os.sched_setaffinity(0, mask)
+        del words
+        segment.close()
+        segment.unlink()
+    return times[1:]
+
+
 def in_process(target, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -237,6 +348,14 @@ def main() -> None:
     for scheme in args.only.split(","):
         base, ours = measure(scheme, SMALL, args.small_reps)
         print(f"  {scheme:3}: {baseline_name[scheme]:17} {base * 1e6:8.1f} us   {scheme} {ours * 1e6:8.1f} us")
+        if scheme == "shm":  # how much of that a notification path could save
+            asleep, spinning = (statistics.median(socket_ping_pong(args.small_reps, spin)) for spin in (False, True))
+            counter = statistics.median(counter_ping_pong(args.small_reps))
+            print(
+                f"  {'':3}  where it goes: a Unix-socket ping-pong of the same bytes between two CPUs {asleep * 1e6:.1f} us "
+                f"(both spinning: {spinning * 1e6:.1f} us); a shared-memory counter ping-pong (both spinning) "
+                f"{counter * 1e6:.1f} us"
+            )
 
 
 if __name__ == "__main__":
