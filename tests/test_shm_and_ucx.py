@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing import shared_memory
 
@@ -18,8 +19,10 @@ import pytest
 from helpers import CLI_ARGS, reap, run_cli, run_server, sgd_reference, subprocess_env
 
 from rudra_async import transports
-from rudra_async.client import Client
+from rudra_async.client import Client, SyncClient
+from rudra_async.errors import PeerGone
 from rudra_async.eventloop import run_sync
+from rudra_async.kernels import SGD, numpy_kernel
 from rudra_async.layout import Layout
 from rudra_async.server import store
 from rudra_async.transports import shm
@@ -352,6 +355,7 @@ class DocsOnlyShmLearner:
         """The body a WEIGHTS reference names, copied out; then its RELEASE notice."""
         name, nbytes, seg, offset, *ticket = meta["~shm"]
         assert seg == [["<f4", [self.size]]] and nbytes == 4 * self.size and not ticket  # exported: no ticket
+        assert "~progress" not in meta, "this learner's HELLO did not say it follows progress words"
         weights = np.fromfile(f"/dev/shm/{name}", "<f4", self.size, offset=offset)
         self.send(250, {"name": name, "offset": offset})
         return weights
@@ -421,3 +425,125 @@ async def test_a_learner_written_from_the_docs_alone_trains_over_shm(paths, monk
     notices = [meta for t, meta in replies if t == 250]
     assert len(replies) == 3 and len(notices) == 1  # no notice while the learner did not wait
     assert notices[0]["offset"] == 0 and notices[0]["ticket"] == 3  # hello 1, pushes 2 and 3
+
+
+def slow_pieces(monkeypatch, fail_at: int | None = None) -> list[int]:
+    """Make the numpy kernel take 2 ms per piece of an update (so a reply finds it in
+    flight), and raise at its ``fail_at``-th piece; the list counts the pieces computed."""
+    pieces: list[int] = []
+    apply = numpy_kernel.NumpyUpdater.apply
+
+    def slow(self, *args, **kwargs):
+        pieces.append(1)
+        if len(pieces) == fail_at:
+            raise RuntimeError("a kernel that fails")
+        time.sleep(0.002)
+        return apply(self, *args, **kwargs)
+
+    monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+    monkeypatch.setattr(store, "PIECE_VALUES", 5_000)
+    monkeypatch.setattr(numpy_kernel.NumpyUpdater, "apply", slow)
+    return pieces
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_a_blocking_learner_over_shm_copies_the_weights_as_they_are_computed(ordered, monkeypatch):
+    """A SyncClient over shm says in its HELLO that it follows progress words (on a machine
+    with ordered stores), so a reply that finds its update in flight goes out at once, with
+    where the body's progress word is: the learner copies each byte once the word says it
+    is final. The weights are SGD's, bit for bit; without ordered stores nobody follows
+    progress and the replies wait for their updates."""
+    size = 50_000  # 10 pieces of 2 ms: the reply is sent while the update is computed
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
+    reference, w, expected = numpy_kernel.NumpyUpdater(size), w0.copy(), []
+    for grad in grads:  # the server's kernel, whole and inline
+        reference.apply(w, w, [grad], [1.0], SGD(0.05, 0.9))
+        expected.append(w.copy())
+    slow_pieces(monkeypatch)
+    monkeypatch.setattr(shm, "ORDERED_STORES", ordered)
+    followed = []
+    follow = shm.BlockingShmConnection._follow
+    monkeypatch.setattr(shm.BlockingShmConnection, "_follow", lambda *a: followed.append(1) or follow(*a))
+    async with run_server(listen=["shm://"], lr=0.05, momentum=0.9, kernel="numpy") as ps:
+
+        def learn() -> list[np.ndarray]:
+            client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
+            try:
+                w, got = client.pull(), []
+                for grad in grads:
+                    w = client.push_pull(grad, w.timestamp)
+                    got.append(w.array.copy())
+                return got
+            finally:
+                client.close()
+
+        got = await asyncio.to_thread(learn)
+    for mine, theirs in zip(got, expected):
+        np.testing.assert_array_equal(mine, theirs)
+    assert len(followed) == (len(grads) if ordered else 0)
+
+
+async def test_a_learner_copying_weights_being_computed_learns_when_the_update_fails(monkeypatch):
+    """The update fails halfway: the progress word says -1 and the learner raises PeerGone
+    (it does not wait for bytes that will never be final)."""
+    pieces = slow_pieces(monkeypatch, fail_at=15)  # the second update's fifth piece
+    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    size = 50_000
+    w0 = np.zeros(size, np.float32)
+    async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
+
+        def learn() -> None:
+            client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
+            try:
+                w = client.push_pull(np.ones(size, np.float32), client.pull().timestamp)
+                client.push_pull(np.ones(size, np.float32), w.timestamp)
+            finally:
+                client.close()
+
+        with pytest.raises(PeerGone, match="computation of these weights failed"):
+            await asyncio.wait_for(asyncio.to_thread(learn), 30)
+    assert len(pieces) == 15
+
+
+def test_a_progress_word_follows_the_latest_update_only():
+    """Threads keep an exported allocation's progress word up to date as its update's bytes
+    become final, and -1 once it fails; a thread of an earlier update into the same memory
+    that wakes late (after a later update is followed) writes nothing."""
+
+    def soon(condition) -> bool:
+        end = time.monotonic() + 5
+        while not condition() and time.monotonic() < end:
+            time.sleep(0.001)
+        return condition()
+
+    buf = shm.exported.allocate(4000)
+    stop, failures = threading.Event(), []
+    name, offset = shm.exported.locate(buf)
+    pw = shm.exported.progress_word(name, offset, 4000)
+    seen = [np.frombuffer(shm.exported.segments[name].shm.buf, np.int64, 1, pw.at)]  # where a learner reads it
+
+    def word() -> int:
+        return int(seen[0][0])
+
+    try:
+        first, second = store.Progress(4000), store.Progress(4000)
+        first.advance(1000)
+        pw.follow(first, 4000, stop, lambda: failures.append("first"))
+        assert word() == 1000, "the word says what is final before the reference goes out"
+        first.advance(3000)
+        assert soon(lambda: word() == 3000)
+        pw.follow(second, 4000, stop, lambda: failures.append("second"))
+        assert word() == 0
+        first.advance(4000)  # the first update's thread wakes late: it must not write any more
+        time.sleep(0.2)
+        assert word() == 0
+        second.advance(2000)
+        assert soon(lambda: word() == 2000)
+        second.fail(RuntimeError("a kernel that fails"))
+        assert soon(lambda: word() == -1) and soon(lambda: failures == ["second"])
+    finally:
+        stop.set()
+        seen.clear()  # no view of the segment left: it can close
+        shm.exported.free(buf)

@@ -34,13 +34,17 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import functools
 import itertools
 import mmap
 import os
+import platform
 import secrets
 import select
 import socket
 import ssl
+import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -48,10 +52,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectError, FrameTooLarge, MalformedFrame, PeerGone, WireError
-from ..wire import Frame, Header, Limits, encode_frame, parse_segments, spec_of
+from ..errors import ConfigError, ConnectError, ConnectionClosed, FrameTooLarge, MalformedFrame, PeerGone, WireError
+from ..wire import Frame, Header, Limits, MsgType, encode_frame, parse_segments, spec_of
+from . import offload
 from .base import OnAccept, OnConnection, SharedMemory, Transport
 from .blocking import BlockingConnection
+from .offload import Gate
 from .stream import OnMade, StreamConnection, StreamListener, open_stream, start_listener
 
 INLINE = 16 * 1024  # bodies up to this size go through the socket
@@ -61,7 +67,15 @@ RELEASE = 250  # internal message type: "I am done with your segment"
 #: bytes at the end of a segment: [released ticket, sender waits] as int64, 8-byte aligned
 CONTROL = 16
 RECHECK_S = 0.002  # a sender waiting for a segment looks at the tickets again this often
+PROGRESS_POLL_S = 0.001  # a learner copying a body being computed looks at its progress this often
 _REF = "~shm"  # metadata key of a body reference
+#: metadata key of a reference to a body still being computed (the position of its progress
+#: word); in a HELLO, the learner's "I follow progress words"
+_PROGRESS = "~progress"
+#: whether this machine shows another process one thread's stores in the order they were
+#: made (x86's total store order): a body's bytes before the progress word that covers them.
+#: Only then is a body sent while it is computed; elsewhere replies wait for the update.
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _counter = itertools.count()
 
 
@@ -76,10 +90,22 @@ class _Exported(SharedMemory):
         self.segments: dict[str, _Segment] = {}
 
     def allocate(self, nbytes: int) -> np.ndarray:
-        seg = _Segment(max(nbytes, 1))
+        """``nbytes`` of exported memory, followed in its segment by the int64 progress word
+        of a body sent while it is computed (:meth:`progress_word`)."""
+        at = -(-max(nbytes, 1) // 8) * 8
+        seg = _Segment(at + 8)
+        seg.progress = _ProgressWord(seg, at)
         self.segments[seg.shm.name] = seg
         view: np.ndarray = seg.array[:nbytes]
         return view
+
+    def progress_word(self, name: str, offset: int, nbytes: int) -> _ProgressWord | None:
+        """The progress word of the allocation that is exactly the body ``[offset, offset +
+        nbytes)`` of segment ``name``; None for any other body."""
+        seg = self.segments.get(name)
+        if seg is None or seg.progress is None or offset or -(-nbytes // 8) * 8 != seg.progress.at:
+            return None
+        return seg.progress
 
     def locate(self, array: np.ndarray) -> tuple[str, int] | None:
         """(segment name, byte offset) if ``array`` lies inside an exported segment."""
@@ -151,6 +177,7 @@ class _Segment:
             resource_tracker.unregister("/" + name, "shared_memory")
             raise
         self.size = size
+        self.progress: _ProgressWord | None = None  # an exported allocation's
         self.busy = False
         self.ticket = 0  # of the last body sent in this segment
         self.array = np.ndarray((size,), np.uint8, buffer=self.shm.buf)
@@ -170,6 +197,8 @@ class _Segment:
         return self.ticket
 
     def destroy(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         del self.array, self.control  # view the segment's buffer: must go before close
         try:
             self.shm.close()
@@ -179,6 +208,53 @@ class _Segment:
             self.shm.unlink()
         except FileNotFoundError:
             pass
+
+
+class _ProgressWord:
+    """The int64 at byte ``at`` of an exported segment: how many bytes of the update being
+    computed into the allocation before it are final, for learners copying it meanwhile.
+    Threads following that update (:meth:`follow`) keep it up to date; only those following
+    the latest update write, so a thread of an earlier one that wakes late cannot."""
+
+    def __init__(self, seg: _Segment, at: int) -> None:
+        self.at = at
+        self._word: np.ndarray | None = np.ndarray((1,), np.int64, buffer=seg.shm.buf, offset=at)
+        self._lock = threading.Lock()
+        self._gate: Gate | None = None  # the update followed (kept: its identity stays unique)
+
+    def follow(self, gate: Gate, nbytes: int, stop: threading.Event, failed: Callable[[], Any]) -> None:
+        """Store what ``gate`` says is final now (before the reference goes out), then follow
+        it from a thread until all ``nbytes`` are, ``stop`` is set or a later update is
+        followed; if the computation fails, store -1 and call ``failed()``."""
+        with self._lock:
+            if self._word is None:
+                raise ConnectionClosed("the weights were freed")
+            self._word[0], self._gate = gate.wait(0, 0), gate
+        threading.Thread(target=self._follow, args=(gate, nbytes, stop, failed), daemon=True).start()
+
+    def _follow(self, gate: Gate, nbytes: int, stop: threading.Event, failed: Callable[[], Any]) -> None:
+        final = 0
+        try:
+            while final < nbytes and not stop.is_set():
+                final = gate.wait(final + 1, offload.STOP_CHECK_S)
+                if not self._store(gate, final):
+                    return
+        except Exception:  # the update failed: no more bytes will be final
+            self._store(gate, -1)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection
+                failed()
+
+    def _store(self, gate: Gate, value: int) -> bool:
+        with self._lock:
+            if self._gate is not gate or self._word is None:
+                return False
+            self._word[0] = max(value, int(self._word[0])) if value >= 0 else value
+            return True
+
+    def close(self) -> None:
+        """Let go of the word (a view of the segment, which can close only once no view is left)."""
+        with self._lock:
+            self._word = self._gate = None
 
 
 class _Attached:
@@ -363,9 +439,12 @@ class ShmConnection(StreamConnection):
         self._in: dict[str, _Attached] = {}
         self._freed = asyncio.Event()
         self._lent: dict[tuple[str, int], asyncio.Future[None]] = {}  # exported bodies out
+        self._follows_progress = False  # the peer's HELLO said it follows progress words
 
     # -- receiving -------------------------------------------------------------------------
     def _deliver(self, item: Frame | WireError) -> None:
+        if isinstance(item, Frame) and item.msg_type == MsgType.HELLO and item.meta.get(_PROGRESS) is True:
+            self._follows_progress = True
         if isinstance(item, Frame) and item.msg_type == RELEASE:
             self._released(item)
         elif isinstance(item, Frame) and _REF in item.meta:
@@ -417,9 +496,39 @@ class ShmConnection(StreamConnection):
         self._lent.clear()
 
     def sends_computing(self, body_bytes: int) -> bool:
-        """Never: a large body goes by reference in shared memory once it is final (the stream
-        way, writing it to the socket while it is computed, would move every byte through it)."""
-        return False
+        """For a peer that follows progress words (its HELLO said so) and a body that goes by
+        reference, on a machine with ordered stores: the reference goes out at once and the
+        peer copies each byte once the body's progress word says it is final. Otherwise
+        never: the stream way would move every byte through the socket."""
+        return ORDERED_STORES and self._follows_progress and body_bytes > INLINE and not self.is_closed
+
+    async def send_computing(
+        self, msg_type: int, meta: dict[str, Any] | None, arrays: Sequence[np.ndarray], gate: Gate
+    ) -> None:
+        """Send exported memory by reference while it is computed: its progress word is set to
+        what is final now, before the reference goes out, then follows ``gate`` (from a
+        thread) until all of it is, or says -1 if the computation fails. A body that is not
+        one whole exported allocation waits until it is final and goes the usual way."""
+        self._check_open()
+        shared = _shared_body(arrays, self.limits)
+        where = exported.locate(arrays[0]) if shared and len(arrays) == 1 and arrays[0].flags.c_contiguous else None
+        found = exported.progress_word(where[0], where[1], shared[0]) if shared and where else None
+        if shared is None or where is None or found is None:
+            await asyncio.to_thread(offload.wait_final, gate, sum(a.nbytes for a in arrays))
+            await self.send(msg_type, meta, arrays)
+            return
+        body, specs = shared
+        try:
+            found.follow(
+                gate,
+                body,
+                self._thread_stop,
+                functools.partial(asyncio.get_running_loop().call_soon_threadsafe, self.close),
+            )
+        except Exception:  # the computation failed already: this frame can never be completed
+            self.close()
+            raise
+        await self._send_exported(msg_type, {**(meta or {}), _PROGRESS: found.at}, where, body, specs)
 
     def nowait_room(self, body_bytes: int) -> bool:
         """Only a body that goes inline is sent without waiting (a shared one waits for a segment)."""
@@ -433,13 +542,8 @@ class ShmConnection(StreamConnection):
             return
         body, specs = shared
         where = exported.locate(arrays[0]) if len(arrays) == 1 and arrays[0].flags.c_contiguous else None
-        if where is not None:  # exported memory: send a reference, hold until the peer is done
-            name, offset = where
-            waiter = self._lent[where] = asyncio.get_running_loop().create_future()
-            await super().send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
-            self.bytes_out += body  # the body goes through shared memory
-            await waiter  # the RELEASE, or the end of the connection
-            self._check_open()
+        if where is not None:
+            await self._send_exported(msg_type, meta, where, body, specs)
             return
         seg, ticket = await self._segment_for(arrays, body)
         try:
@@ -448,6 +552,18 @@ class ShmConnection(StreamConnection):
             seg.busy = False
             raise
         self.bytes_out += body  # the body goes through shared memory
+
+    async def _send_exported(
+        self, msg_type: int, meta: dict[str, Any] | None, where: tuple[str, int], body: int, specs: list[Any]
+    ) -> None:
+        """Send exported memory at ``where`` (segment name, offset) by reference, without a
+        copy; return once the peer released it (a RELEASE notice) or the connection ended."""
+        name, offset = where
+        waiter = self._lent[where] = asyncio.get_running_loop().create_future()
+        await super().send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
+        self.bytes_out += body  # the body goes through shared memory
+        await waiter
+        self._check_open()
 
     def _close_link(self) -> None:
         super()._close_link()
@@ -470,6 +586,8 @@ class BlockingShmConnection(BlockingConnection):
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
+        if msg_type == MsgType.HELLO and ORDERED_STORES:  # weights may come while they are computed
+            meta = {**(meta or {}), _PROGRESS: True}
         shared = _shared_body(arrays, self.limits)
         if shared is None:
             await super().send(msg_type, meta, arrays)
@@ -509,7 +627,57 @@ class BlockingShmConnection(BlockingConnection):
         if isinstance(resolved, WireError):
             self._lost = PeerGone(f"the server sent a frame beyond the limits: {resolved}")
             raise resolved
+        if _PROGRESS in resolved.meta and resolved.error is None:
+            return self._follow(resolved, frame.meta[_REF][0], resolved.meta[_PROGRESS])
         return resolved
+
+    def _follow(self, frame: Frame, name: str, at: Any) -> Frame:
+        """A body the server still computes, copied out of segment ``name`` (into the
+        allocator's buffer, or a new one) as the int64 progress word at byte ``at`` says its
+        bytes are final; the reference is released once all are. -1 in the word, or the
+        server gone meanwhile, raises PeerGone."""
+        shm, n = self._in[name], frame.body.nbytes
+        if not (isinstance(at, int) and not isinstance(at, bool) and at >= 0 and at % 8 == 0 and at + 8 <= shm.size):
+            frame.release()
+            self._lost = PeerGone(f"the server sent a bad progress word position {at!r}")
+            raise self._lost
+        word = np.frombuffer(shm.buf, np.int64, 1, at)
+        target = self.allocator(frame.msg_type, frame.meta, n) if self.allocator is not None else None
+        out = np.empty(n, np.uint8).data if target is None else target.cast("B")
+        done, gone = 0, False
+        try:
+            while done < n:
+                final = min(int(word[0]), n)
+                if final < 0 or (gone and final == done):  # the word is read once more after a hang-up
+                    failed = "the server's computation of these weights failed"
+                    self._lost = PeerGone(failed if final < 0 else "the server went away while sending weights")
+                    raise self._lost
+                if final > done:
+                    out[done:final] = frame.body[done:final]
+                    done = final
+                else:
+                    gone = self._hung_up(PROGRESS_POLL_S)
+        finally:
+            del word
+            frame.release()
+        return Frame(frame.msg_type, frame.meta, out, frame.specs)
+
+    def _hung_up(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if the socket closes; True if it has (bytes that arrive
+        meanwhile stay for the next read)."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN | select.POLLRDHUP)
+        if not poller.poll(seconds * 1000):
+            return False
+        try:
+            if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                return True
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        time.sleep(seconds)  # a frame waits to be read (later): the socket says no more now
+        return False
 
     def _readable(self, seconds: float) -> bool:
         """True if a frame is ready or bytes arrive within ``seconds``."""
