@@ -323,10 +323,11 @@ def test_the_progress_of_a_failed_update_raises_for_its_readers(off_loop):
 async def test_replies_written_while_their_updates_are_computed_are_exact_and_never_torn(
     off_loop, send_threads, monkeypatch
 ):
-    """Two learners push_pull over tcp; every weights reply is written by a sender thread
-    while its update is computed piece by piece (slowly). Each reply must equal, bit for
-    bit, the weights of the clock it is stamped with, replayed inline from the updates in
-    the order the server decided them."""
+    """Two learners push_pull over tcp, one of them pausing after each reply; a reply is
+    written by a sender thread while its update is computed piece by piece (slowly)
+    whenever the other learner has no request in progress, and the other's update then
+    goes into a spare buffer. Each reply must equal, bit for bit, the weights of the clock
+    it is stamped with, replayed inline from the updates in the order the server decided them."""
     from rudra_async.client import Client
 
     send_threads(1)
@@ -356,19 +357,24 @@ async def test_replies_written_while_their_updates_are_computed_are_exact_and_ne
             piece(*args, **kwargs)
 
         ws.updater.apply = slow_piece
+        spares = []  # updates that found the weights leased
+        spare = ws._spare
+        ws._spare = lambda: spares.append(1) or spare()
         replies = []
 
-        async def learner(client, seed):
+        async def learner(client, seed, pause):
             rng = np.random.default_rng(seed)
             w = await client.pull()
             for step in range(8):
                 w = await client.push_pull(rng.standard_normal(N).astype(np.float32), w.timestamp, step)
                 replies.append((w.timestamp, w.array.copy()))
+                await asyncio.sleep(pause)  # computing: no request in progress
 
-        await asyncio.gather(learner(a, 1), learner(b, 2))
+        await asyncio.gather(learner(a, 1, 0.0), learner(b, 2, 0.03))
         await a.close()
         await b.close()
     assert any(partial_waits), "no reply was written while its update was being computed"
+    assert spares, "no update went into a spare buffer: nothing could have torn a reply"
     assert all(name.startswith("rudra-send") for name in send_threads.calls)
     reference = WeightStore(layout, w0, "numpy")
     at_clock = {0: w0}

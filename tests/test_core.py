@@ -372,3 +372,18 @@ def test_each_learner_has_its_last_request_time_mean_staleness_and_slow_flag():
     now[0] = 200.0
     assert core.newly_slow(7.0) == [b]  # a left: never slow
     assert "loss_curve" in core.stats() and "loss_curve" not in core.stats(loss_curve=False)
+
+
+def test_a_learner_is_alone_while_no_other_has_a_request_in_progress():
+    """What decides whether a weights reply may lease the weights before its update is
+    computed (Session._send_weights): no other learner's request in progress."""
+    core = ServerCore(ServerConfig(kernel="numpy"))
+    a, b = hello(core), hello(core)
+    assert core.alone(a) and core.alone(b)
+    core.active(a)
+    assert core.alone(a) and not core.alone(b)
+    core.active(b)
+    assert not core.alone(a)
+    core.idle(b)
+    core.idle(a)
+    assert core.alone(a) and core.alone(b)

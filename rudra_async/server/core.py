@@ -355,6 +355,10 @@ class ServerCore:
             old = self.learners.pop(self._departed.popleft())
             self.forgotten.update(learners=1, dropped=old.dropped, evictions=old.evictions)
 
+    def alone(self, learner: LearnerInfo) -> bool:
+        """Whether no other learner has a request in progress."""
+        return not any(info.busy for info in self.learners.values() if info is not learner)
+
     def active(self, learner: LearnerInfo) -> None:
         """A request of ``learner`` arrived: a slow learner is back; an evicted one rejoins
         the protocol."""

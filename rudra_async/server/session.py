@@ -314,7 +314,10 @@ class Session:
         )
         store = core.store
         assert store is not None, "READY implies weights"
-        if not self.conn.sends_computing(4 * store.layout.size):
+        # A reply sent while its update is computed leases the weights at once. While another
+        # learner's request is in progress, whose update would then need a spare buffer and a
+        # copy of the weights, the reply waits for the update instead.
+        if not (self.conn.sends_computing(4 * store.layout.size) and core.alone(learner)):
             await self.server.updates_computed()
         with store.lease_computing() as (clock, weights, progress):  # no update in flight, or a gated send
             await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], progress)
