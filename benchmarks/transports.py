@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -34,6 +35,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -195,53 +197,60 @@ def _receive(sock: socket.socket, buf: bytearray, spin: bool) -> int:
     return got
 
 
-def _echo_socket(sock: socket.socket, spin: bool, cpu: int | None) -> None:
-    """The peer of :func:`socket_ping_pong`: send back what arrives, until the end of the stream."""
+def _pin(cpu: int | None) -> None:
+    """Run this process on ``cpu`` alone (None: wherever it may)."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+
+
+@contextlib.contextmanager
+def _on_two_cpus(target, *args) -> Iterator[None]:
+    """Run ``target(*args, cpu)`` in another process pinned to one CPU while this one runs
+    pinned to another (when there are two); at the end, this process may run anywhere it
+    could before, and the other is joined (the block must have told it to stop)."""
+    mask = os.sched_getaffinity(0)
+    pair = sorted(mask)[:2] if len(mask) >= 2 else [None, None]
+    child = mp.get_context("spawn").Process(target=target, args=(*args, pair[1]), daemon=True)
+    child.start()
+    _pin(pair[0])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mask)
+        child.join(10)
+
+
+def _echo_socket(sock: socket.socket, spin: bool, cpu: int | None) -> None:
+    """The peer of :func:`socket_ping_pong`: send back what arrives, until the end of the stream."""
+    _pin(cpu)
     buf = bytearray(SMALL)
     while _receive(sock, buf, spin):
         sock.sendall(buf)
-
-
-def _other_cpus() -> tuple[int, int] | None:
-    """Two CPUs this process may run on, or None with fewer than two."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
 
 
 def socket_ping_pong(reps: int, spin: bool) -> list[float]:
     """Seconds per round trip of SMALL bytes over a Unix socket between two processes on two
     CPUs, each waiting blocked or spinning: what a notification over the transport's socket
     costs at the least."""
-    cpus, mask = _other_cpus(), os.sched_getaffinity(0)
     here, there = socket.socketpair()
-    child = mp.get_context("spawn").Process(
-        target=_echo_socket, args=(there, spin, cpus[1] if cpus else None), daemon=True
-    )
-    child.start()
-    there.close()
-    if cpus:
-        os.sched_setaffinity(0, {cpus[0]})
     msg, buf, times = bytes(SMALL), bytearray(SMALL), []
-    try:
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            here.sendall(msg)
-            _receive(here, buf, spin)
-            times.append(time.perf_counter() - t)
-    finally:
-        os.sched_setaffinity(0, mask)
-        here.close()
-        child.join(10)
+    with _on_two_cpus(_echo_socket, there, spin):
+        there.close()
+        try:
+            for _ in range(reps + 1):
+                t = time.perf_counter()
+                here.sendall(msg)
+                _receive(here, buf, spin)
+                times.append(time.perf_counter() - t)
+        finally:
+            here.close()  # the end of the stream: the echo stops
     return times[1:]
 
 
 def _echo_counter(name: str, cpu: int | None) -> None:
     """The peer of :func:`counter_ping_pong`: copy word 0 into word 1 each time it changes;
     stop at -1, or after 10 s without a change."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+    _pin(cpu)
     shm = _Attached(name)
     words = np.frombuffer(shm.buf, np.int64, 2)
     seen, since = 0, time.monotonic()
@@ -257,28 +266,22 @@ def _echo_counter(name: str, cpu: int | None) -> None:
 def counter_ping_pong(reps: int) -> list[float]:
     """Seconds per round trip of a counter in shared memory between two processes on two
     CPUs that both spin (no system call): the floor of any notification path."""
-    cpus, mask = _other_cpus(), os.sched_getaffinity(0)
     segment = shared_memory.SharedMemory(create=True, size=16)
     words = np.ndarray((2,), np.int64, segment.buf)
     words[:] = 0
-    child = mp.get_context("spawn").Process(
-        target=_echo_counter, args=(segment.name, cpus[1] if cpus else None), daemon=True
-    )
-    child.start()
-    if cpus:
-        os.sched_setaffinity(0, {cpus[0]})
     times = []
     try:
-        for i in range(1, reps + 2):
-            t, deadline = time.perf_counter(), time.monotonic() + 10
-            words[0] = i
-            while words[1] != i and time.monotonic() < deadline:
-                pass
-            times.append(time.perf_counter() - t)
-        words[0] = -1
-        child.join(10)
+        with _on_two_cpus(_echo_counter, segment.name):
+            try:
+                for i in range(1, reps + 2):
+                    t, deadline = time.perf_counter(), time.monotonic() + 10
+                    words[0] = i
+                    while words[1] != i and time.monotonic() < deadline:
+                        pass
+                    times.append(time.perf_counter() - t)
+            finally:
+                words[0] = -1  # the echo stops
     finally:
-        os.sched_setaffinity(0, mask)
         del words
         segment.close()
         segment.unlink()

@@ -520,8 +520,8 @@ def test_a_progress_word_follows_the_latest_update_only():
 
     buf = shm.exported.allocate(4000)
     stop, failures = threading.Event(), []
-    name, offset = shm.exported.locate(buf)
-    pw = shm.exported.progress_word(name, offset, 4000)
+    where = shm.exported.locate(buf)
+    name, pw = where[0], shm.exported.progress_word(where, 4000)
     seen = [np.frombuffer(shm.exported.segments[name].shm.buf, np.int64, 1, pw.at)]  # where a learner reads it
 
     def word() -> int:

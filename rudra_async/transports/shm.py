@@ -99,13 +99,17 @@ class _Exported(SharedMemory):
         view: np.ndarray = seg.array[:nbytes]
         return view
 
-    def progress_word(self, name: str, offset: int, nbytes: int) -> _ProgressWord | None:
-        """The progress word of the allocation that is exactly the body ``[offset, offset +
-        nbytes)`` of segment ``name``; None for any other body."""
-        seg = self.segments.get(name)
+    def progress_word(self, where: tuple[str, int], nbytes: int) -> _ProgressWord | None:
+        """The progress word of the allocation that is exactly the ``nbytes`` at ``where``
+        (segment name, offset: :meth:`locate`'s); None for any other body."""
+        seg, offset = self.segments.get(where[0]), where[1]
         if seg is None or seg.progress is None or offset or -(-nbytes // 8) * 8 != seg.progress.at:
             return None
         return seg.progress
+
+    def locate_body(self, arrays: Sequence[np.ndarray]) -> tuple[str, int] | None:
+        """:meth:`locate` of a body that is one contiguous array; None for any other body."""
+        return self.locate(arrays[0]) if len(arrays) == 1 and arrays[0].flags.c_contiguous else None
 
     def locate(self, array: np.ndarray) -> tuple[str, int] | None:
         """(segment name, byte offset) if ``array`` lies inside an exported segment."""
@@ -443,14 +447,16 @@ class ShmConnection(StreamConnection):
 
     # -- receiving -------------------------------------------------------------------------
     def _deliver(self, item: Frame | WireError) -> None:
-        if isinstance(item, Frame) and item.msg_type == MsgType.HELLO and item.meta.get(_PROGRESS) is True:
-            self._follows_progress = True
-        if isinstance(item, Frame) and item.msg_type == RELEASE:
-            self._released(item)
-        elif isinstance(item, Frame) and _REF in item.meta:
-            super()._deliver(self._resolve(item))
-        else:
-            super()._deliver(item)
+        if isinstance(item, Frame):
+            if item.msg_type == RELEASE:
+                self._released(item)
+                return
+            if item.msg_type == MsgType.HELLO and item.meta.get(_PROGRESS) is True:
+                self._follows_progress = True
+            if _REF in item.meta:
+                super()._deliver(self._resolve(item))
+                return
+        super()._deliver(item)
 
     def _released(self, frame: Frame) -> None:
         name = str(frame.meta.get("name"))
@@ -511,8 +517,8 @@ class ShmConnection(StreamConnection):
         one whole exported allocation waits until it is final and goes the usual way."""
         self._check_open()
         shared = _shared_body(arrays, self.limits)
-        where = exported.locate(arrays[0]) if shared and len(arrays) == 1 and arrays[0].flags.c_contiguous else None
-        found = exported.progress_word(where[0], where[1], shared[0]) if shared and where else None
+        where = exported.locate_body(arrays) if shared else None
+        found = exported.progress_word(where, shared[0]) if shared and where else None
         if shared is None or where is None or found is None:
             await asyncio.to_thread(offload.wait_final, gate, sum(a.nbytes for a in arrays))
             await self.send(msg_type, meta, arrays)
@@ -541,7 +547,7 @@ class ShmConnection(StreamConnection):
             await super().send(msg_type, meta, arrays)
             return
         body, specs = shared
-        where = exported.locate(arrays[0]) if len(arrays) == 1 and arrays[0].flags.c_contiguous else None
+        where = exported.locate_body(arrays)
         if where is not None:
             await self._send_exported(msg_type, meta, where, body, specs)
             return
