@@ -5,10 +5,9 @@ the numpy and torch backends, next to torch.optim.SGD(fused=True) on the same da
 same run: one optimizer step for c = 1, c separate steps for c = 8 (what a server without a
 fused multi-gradient kernel would do).
 
-Gradient check: the max |g| every push is measured with, both ways (numpy's block-wise max
-and min, ``torch.aminmax``), at 1M and 25M values, next to one ``np.maximum.reduce`` pass
-over the same array (the cost of reading it once) in the same run, and which way the torch
-backend's race (``Updater.max_abs``) chose on this host.
+Gradient check: the max |g| every push is measured with (``Updater.max_abs``), per backend,
+at 1M and 25M values, next to one ``np.maximum.reduce`` pass over the same array (the
+cost of reading it once) in the same run.
 
 GPU (--gpu): the CuPy kernel's achieved memory bandwidth (bytes it must read and write per
 update / time) as a fraction of the device's copy bandwidth measured in the same run.
@@ -56,20 +55,17 @@ def cpu(reps: int) -> None:
 
 
 def check(reps: int) -> None:
-    from rudra_async.kernels import max_abs, torch_kernel
-
     torch.set_num_threads(1)  # as the server runs the torch kernel (--kernel-threads 1)
     print(f"gradient check (max |g|, torch threads: 1), median of {reps}; ms, ratio vs one np.max pass")
     for n in (1_000_000, 25_000_000):
         g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
         base = median_time(lambda: np.maximum.reduce(g), reps)
         line = f"  n={n:>10,}:  np.max pass {base * 1e3:7.2f}"
-        for name, way in (("numpy max_abs", max_abs), ("torch.aminmax", torch_kernel._aminmax)):
-            t = median_time(lambda: way(g), reps)
-            line += f"   {name} {t * 1e3:7.2f} ({base / t:4.2f}x)"
+        for backend in ("numpy", "torch"):
+            up = make_updater(backend, n)
+            t = median_time(lambda: up.max_abs(g), reps)
+            line += f"   {backend} {t * 1e3:7.2f} ({base / t:4.2f}x)"
         print(line)
-    make_updater("torch", 1).max_abs(g)  # races the two ways on the last, large gradient
-    print(f"  the torch backend's race chose: {'torch.aminmax' if torch_kernel._aminmax_faster else 'numpy max_abs'}")
 
 
 def gpu(reps: int) -> None:

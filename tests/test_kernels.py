@@ -216,39 +216,9 @@ def test_max_abs_reads_block_by_block_and_sees_a_nan_or_inf_in_any_block():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_measures_max_abs_exactly(backend):
-    assert_measures_max_abs_exactly(make_updater(backend, 4))
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("aminmax", [True, False], ids=["aminmax", "numpy-way"])
-def test_the_torch_backend_measures_max_abs_exactly_whichever_way_won_its_race(aminmax, monkeypatch):
-    from rudra_async.kernels import torch_kernel
-
-    monkeypatch.setattr(torch_kernel, "_aminmax_faster", aminmax)
-    ways = []
-    monkeypatch.setattr(torch_kernel, "_aminmax", lambda a, real=torch_kernel._aminmax: ways.append(1) or real(a))
-    assert_measures_max_abs_exactly(make_updater("torch", 4))
-    assert bool(ways) == aminmax
-
-
-@pytest.mark.torch
-def test_the_torch_backend_races_the_two_ways_once_on_the_first_large_gradient(monkeypatch):
-    from rudra_async.kernels import torch_kernel
-
-    monkeypatch.setattr(torch_kernel, "_aminmax_faster", None)
-    raced = []
-    monkeypatch.setattr(torch_kernel, "_race", lambda a: raced.append(a.size) or True)
-    up = make_updater("torch", 4)
-    up.max_abs(np.ones(1000, np.float32))  # small: no race
-    assert raced == []
-    big = np.full(torch_kernel.RACE_VALUES + 5, -2.5, np.float32)
-    assert up.max_abs(big) == 2.5 and up.max_abs(big) == 2.5
-    assert raced == [torch_kernel.RACE_VALUES] and torch_kernel._aminmax_faster is True
-
-
-def assert_measures_max_abs_exactly(up: Updater) -> None:
     from rudra_async.kernels import MAX_ABS_BLOCK
 
+    up = make_updater(backend, 4)
     a = np.linspace(-3.0, 2.0, 4 * MAX_ABS_BLOCK + 7, dtype=np.float32)  # above torch_kernel.AMINMAX_MIN_VALUES
     cases = {"blocks": a, "empty": a[:0], "2-d": a[:12].reshape(3, 4), "strided": a[::3], "f16": a.astype(np.float16)}
     frozen = a.copy()
