@@ -235,7 +235,13 @@ def decode_meta(data: bytes | memoryview) -> dict[str, Any]:
 
 @dataclass
 class Frame:
-    """One received frame. ``arrays`` are views over ``body``; call ``release`` when done."""
+    """One received frame. ``arrays`` are views over ``body``; call ``release`` when done.
+
+    ``written``: for a body its sender is still writing (a transport may deliver such a
+    frame early: shm's pushes written as they are sent), a function returning how many
+    bytes of the body, from its start, are final now (raising
+    :class:`~rudra_async.errors.PeerGone` once no more will be); only those may be read.
+    None: the whole body is final."""
 
     msg_type: int
     meta: dict[str, Any]
@@ -243,6 +249,7 @@ class Frame:
     specs: list[SegmentSpec] = field(default_factory=list)
     error: WireError | None = None  # set when the frame was read but is not valid
     _release: Callable[[], None] | None = None
+    written: Callable[[], int] | None = None
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -262,7 +269,7 @@ class Frame:
     def take(self) -> Frame:
         """Move ownership of the body to a new Frame, which the caller must release; this one's
         :meth:`release` becomes a no-op (for a consumer that keeps a frame past its handler)."""
-        taken = Frame(self.msg_type, self.meta, self.body, self.specs, self.error, self._release)
+        taken = Frame(self.msg_type, self.meta, self.body, self.specs, self.error, self._release, self.written)
         self._release = None
         return taken
 

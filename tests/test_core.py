@@ -387,3 +387,8 @@ def test_a_learner_is_alone_while_no_other_has_a_request_in_progress():
     core.idle(b)
     core.idle(a)
     assert core.alone(a) and core.alone(b)
+    core.active(a)
+    a.writing = True  # a push whose gradient a still writes: not yet in progress
+    assert core.alone(b)
+    a.writing = False
+    assert not core.alone(b)

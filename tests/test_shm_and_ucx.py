@@ -20,11 +20,12 @@ from helpers import CLI_ARGS, reap, run_cli, run_server, sgd_reference, subproce
 
 from rudra_async import transports
 from rudra_async.client import Client, SyncClient
-from rudra_async.errors import PeerGone
+from rudra_async.errors import PeerGone, RemoteError
 from rudra_async.eventloop import run_sync
 from rudra_async.kernels import SGD, numpy_kernel
 from rudra_async.layout import Layout
-from rudra_async.server import store
+from rudra_async.server import store, written
+from rudra_async.server.core import ServerCore
 from rudra_async.transports import shm
 from rudra_async.wire import MsgType
 
@@ -328,10 +329,11 @@ class DocsOnlyShmLearner:
         self.sock.settimeout(10)
         self.sock.connect("\0rudra-async/" + server_name)
         self.size = size
-        nbytes = 4 * size  # a multiple of 8 here, so the control block follows at once
-        self.seg = shared_memory.SharedMemory(create=True, size=nbytes + 16)
+        nbytes = 4 * size  # a multiple of 8 here: a progress word, then the control block, follow at once
+        self.seg = shared_memory.SharedMemory(create=True, size=nbytes + 8 + 16)
         self.body = np.ndarray((size,), "<f4", self.seg.buf)
-        self.control = np.ndarray((2,), "<i8", self.seg.buf, offset=nbytes)  # [released ticket, sender waits]
+        self.word = np.ndarray((1,), "<i8", self.seg.buf, offset=nbytes)  # of a push written after its reference
+        self.control = np.ndarray((2,), "<i8", self.seg.buf, offset=nbytes + 8)  # [released ticket, sender waits]
         self.tickets = 0
 
     def send(self, msg_type: int, meta: dict) -> None:
@@ -370,8 +372,16 @@ class DocsOnlyShmLearner:
     def push(self, grad: np.ndarray, timestamp: int) -> None:
         self.send(3, {"timestamp": timestamp, "pull": True, "~shm": self.by_reference(grad)})
 
+    def push_before_writing(self, timestamp: int) -> None:
+        """A PUSH whose body the learner writes after the reference: the progress word (0
+        now) says how much of it is written."""
+        self.word[0] = 0
+        self.tickets += 1
+        ref = [self.seg.name, 4 * self.size, [["<f4", [self.size]]], 0, self.tickets]
+        self.send(3, {"timestamp": timestamp, "pull": True, "~shm": ref, "~progress": 4 * self.size})
+
     def close(self) -> None:
-        del self.body, self.control
+        del self.body, self.word, self.control
         self.sock.close()
         self.seg.close()
         self.seg.unlink()
@@ -427,6 +437,29 @@ async def test_a_learner_written_from_the_docs_alone_trains_over_shm(paths, monk
     assert notices[0]["offset"] == 0 and notices[0]["ticket"] == 3  # hello 1, pushes 2 and 3
 
 
+def numpy_sgd(w0: np.ndarray, grads: list[np.ndarray]) -> list[np.ndarray]:
+    """The weights after each gradient, by the server's numpy kernel (whole, inline), with
+    the learning rate 0.05 and momentum 0.9."""
+    reference, w, out = numpy_kernel.NumpyUpdater(w0.size), w0.copy(), []
+    for grad in grads:
+        reference.apply(w, w, [grad], [1.0], SGD(0.05, 0.9))
+        out.append(w.copy())
+    return out
+
+
+def push_pull_each(address: str, w0: np.ndarray, grads: list[np.ndarray]) -> list[np.ndarray]:
+    """A SyncClient pulls, then push+pulls each gradient in turn: the weights it got."""
+    client = SyncClient(address, Layout.from_shapes([("w", (w0.size,))]), w0)
+    try:
+        w, got = client.pull(), []
+        for grad in grads:
+            w = client.push_pull(grad, w.timestamp)
+            got.append(w.array.copy())
+        return got
+    finally:
+        client.close()
+
+
 def slow_pieces(monkeypatch, fail_at: int | None = None) -> list[int]:
     """Make the numpy kernel take 2 ms per piece of an update (so a reply finds it in
     flight), and raise at its ``fail_at``-th piece; the list counts the pieces computed."""
@@ -457,29 +490,14 @@ async def test_a_blocking_learner_over_shm_copies_the_weights_as_they_are_comput
     rng = np.random.default_rng(5)
     w0 = rng.standard_normal(size).astype(np.float32)
     grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
-    reference, w, expected = numpy_kernel.NumpyUpdater(size), w0.copy(), []
-    for grad in grads:  # the server's kernel, whole and inline
-        reference.apply(w, w, [grad], [1.0], SGD(0.05, 0.9))
-        expected.append(w.copy())
+    expected = numpy_sgd(w0, grads)
     slow_pieces(monkeypatch)
     monkeypatch.setattr(shm, "ORDERED_STORES", ordered)
     followed = []
     follow = shm.BlockingShmConnection._follow
     monkeypatch.setattr(shm.BlockingShmConnection, "_follow", lambda *a: followed.append(1) or follow(*a))
     async with run_server(listen=["shm://"], lr=0.05, momentum=0.9, kernel="numpy") as ps:
-
-        def learn() -> list[np.ndarray]:
-            client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
-            try:
-                w, got = client.pull(), []
-                for grad in grads:
-                    w = client.push_pull(grad, w.timestamp)
-                    got.append(w.array.copy())
-                return got
-            finally:
-                client.close()
-
-        got = await asyncio.to_thread(learn)
+        got = await asyncio.to_thread(push_pull_each, ps.addresses[0], w0, grads)
     for mine, theirs in zip(got, expected):
         np.testing.assert_array_equal(mine, theirs)
     assert len(followed) == (len(grads) if ordered else 0)
@@ -547,3 +565,168 @@ def test_a_progress_word_follows_the_latest_update_only():
         stop.set()
         seen.clear()  # no view of the segment left: it can close
         shm.exported.free(buf)
+
+
+def write_ahead(monkeypatch, piece_s: float = 0.002) -> list[float]:
+    """Make every body of 64 KiB or more a push written after its reference, in 16 KiB
+    pieces that take ``piece_s`` each to write, and checked by the server 4,096 values at a
+    time, off the loop; the list gets the time of each piece the server checks."""
+    monkeypatch.setattr(shm, "WRITE_AHEAD_MIN", 1 << 16)
+    monkeypatch.setattr(shm, "WRITE_PIECE", 1 << 14)
+    monkeypatch.setattr(written, "PIECE_VALUES", 4096)
+    monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+
+    class SlowFence:  # taken after each piece is copied
+        def __enter__(self):
+            time.sleep(piece_s)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(shm, "_FENCE", SlowFence())
+    checked: list[float] = []
+    max_abs = ServerCore.max_abs
+    monkeypatch.setattr(ServerCore, "max_abs", lambda self, g: checked.append(time.monotonic()) or max_abs(self, g))
+    return checked
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_a_blocking_learner_over_shm_pushes_before_writing_and_the_server_checks_as_it_writes(
+    ordered, monkeypatch
+):
+    """On a machine with ordered stores the server's WELCOME tells a SyncClient (whose HELLO
+    said it follows progress words) that it reads them in pushes too; the learner then sends
+    a large push's reference first and writes the body piece by piece, and the server
+    checks each piece as the word says it is written, so the check ends right after the
+    copy. The updates are SGD's, bit for bit; without ordered stores every push is written
+    first."""
+    size = 50_000  # 200 KB: 13 pieces of 2 ms
+    rng = np.random.default_rng(8)
+    w0 = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
+    expected = numpy_sgd(w0, grads)
+    checked = write_ahead(monkeypatch)
+    monkeypatch.setattr(shm, "ORDERED_STORES", ordered)
+    pushed: list[tuple[float, float]] = []  # when each push's send began and ended
+    send = shm.BlockingShmConnection.send
+
+    async def timed_send(self, msg_type, meta=None, arrays=()):
+        start = time.monotonic()
+        await send(self, msg_type, meta, arrays)
+        if msg_type == MsgType.PUSH:
+            pushed.append((start, time.monotonic()))
+
+    monkeypatch.setattr(shm.BlockingShmConnection, "send", timed_send)
+    async with run_server(listen=["shm://"], lr=0.05, momentum=0.9, kernel="numpy") as ps:
+        got = await asyncio.to_thread(push_pull_each, ps.addresses[0], w0, grads)
+    for mine, theirs in zip(got, expected):
+        np.testing.assert_array_equal(mine, theirs)
+    during = [sum(start < t < end for t in checked) for start, end in pushed]
+    if ordered:  # 13 pieces written, most checked while they are (a late look may take two at once)
+        assert all(n >= 6 for n in during), during
+    else:  # each push checked whole, once it is written
+        assert len(checked) == 3
+
+
+async def test_a_nan_in_the_last_piece_of_a_push_written_after_its_reference_is_refused(monkeypatch):
+    """The pieces checked as they are written find a NaN in the last one: the push is
+    refused (bad_gradient), nothing is applied and the learner goes on."""
+    checked = write_ahead(monkeypatch)
+    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    size = 50_000
+    w0 = np.zeros(size, np.float32)
+    async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
+
+        def learn() -> np.ndarray:
+            client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
+            try:
+                stamp = client.pull().timestamp
+                bad = np.ones(size, np.float32)
+                bad[-1] = np.nan
+                with pytest.raises(RemoteError) as refused:
+                    client.push_pull(bad, stamp)
+                assert refused.value.code == "bad_gradient"
+                return client.push_pull(np.ones(size, np.float32), stamp).array.copy()
+            finally:
+                client.close()
+
+        w = await asyncio.to_thread(learn)
+        assert ps.clock == 1
+    np.testing.assert_array_equal(w, np.full(size, -0.05, np.float32))
+    assert len(checked) >= 2 * 5  # piece by piece: the NaN was in the last piece checked
+
+
+async def test_a_learner_that_stops_writing_its_push_stalls_no_one_and_is_closed_by_the_deadline(monkeypatch):
+    """A learner (written from the docs) sends a push's reference and never writes its body:
+    another learner trains meanwhile, and the idle deadline closes the stalled one, counted
+    push_not_written; nothing of its push is applied."""
+    monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    size = 50_000
+    w0 = np.zeros(size, np.float32)
+    async with run_server(listen=["shm://"], lr=0.05, kernel="numpy", idle_timeout=1.0) as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def stall() -> bytes:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                me.send(1, {"layout": [["w", [size]]], "~shm": me.by_reference(w0), "~progress": True})
+                kind, welcome = me.recv()
+                assert kind == 2 and welcome["~progress"] is True  # pushes may be written after their reference
+                me.body[: size // 2] = 1.0
+                me.word[0] = 2 * size  # half of it, then nothing more
+                me.push_before_writing(timestamp=0)
+                me.sock.settimeout(20)
+                return me.sock.recv(1 << 16)  # an ERROR? no: the connection just closes
+            finally:
+                me.close()
+
+        def honest() -> int:
+            client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
+            try:
+                w = client.pull()
+                for _ in range(5):
+                    w = client.push_pull(np.ones(size, np.float32), w.timestamp)
+                return w.timestamp
+            finally:
+                client.close()
+
+        stalled = asyncio.create_task(asyncio.to_thread(stall))
+        await asyncio.sleep(0.3)
+        assert await asyncio.wait_for(asyncio.to_thread(honest), 10) == 5
+        assert await asyncio.wait_for(stalled, 20) == b""
+        assert ps.core.rejected["push_not_written"] == 1 and ps.clock == 5
+
+
+@pytest.mark.parametrize("case", ["unannounced", "word inside the body", "word past the segment", "in a pull"])
+async def test_a_push_written_after_its_reference_where_not_allowed_is_fatal(case, monkeypatch):
+    """A reference with a progress word that the server did not announce, one whose word
+    lies inside the body or beyond the segment, or one in any frame but a PUSH, ends the
+    connection with a malformed error; nothing is applied."""
+    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    size = 50_000
+    async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def learn() -> tuple[int, dict]:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                hello = {"layout": [["w", [size]]], "~shm": me.by_reference(np.zeros(size, np.float32))}
+                if case != "unannounced":
+                    hello["~progress"] = True
+                me.send(1, hello)
+                assert me.recv()[0] == 2
+                me.body[:] = 1.0
+                me.tickets += 1
+                ref = [me.seg.name, 4 * size, [["<f4", [size]]], 0, me.tickets]
+                at = {"word inside the body": 8, "word past the segment": 4 * size + 16}.get(case, 4 * size)
+                me.word[0] = 4 * size
+                kind = MsgType.PULL if case == "in a pull" else MsgType.PUSH
+                me.send(kind, {"timestamp": 0, "pull": True, "~shm": ref, "~progress": at})
+                return me.recv()
+            finally:
+                me.close()
+
+        kind, error = await asyncio.to_thread(learn)
+        assert kind == MsgType.ERROR and error["code"] == "malformed" and error["fatal"] is True
+        assert ps.clock == 0

@@ -61,6 +61,7 @@ class LearnerInfo:
     dropped: int = 0
     connected: bool = True
     busy: int = 0  # requests of this learner the server is handling now
+    writing: bool = False  # its push in hand is still being written (shm): not yet in progress for alone()
     last_active: float = 0.0  # when a request of it last arrived or was answered
     evicted: bool = False  # out of the protocol (hung: --learner-timeout) until it shows up again
     evictions: int = 0
@@ -356,8 +357,10 @@ class ServerCore:
             self.forgotten.update(learners=1, dropped=old.dropped, evictions=old.evictions)
 
     def alone(self, learner: LearnerInfo) -> bool:
-        """Whether no other learner has a request in progress."""
-        return not any(info.busy for info in self.learners.values() if info is not learner)
+        """Whether no other learner has a request in progress (a push whose gradient its
+        learner still writes is not yet: its update comes once it is written, as if the push
+        had not arrived)."""
+        return not any(info.busy and not info.writing for info in self.learners.values() if info is not learner)
 
     def active(self, learner: LearnerInfo) -> None:
         """A request of ``learner`` arrived: a slow learner is back; an evicted one rejoins
@@ -447,7 +450,12 @@ class ServerCore:
         if self.config.max_grad_norm is not None:
             with np.errstate(over="ignore"):  # a norm past float32's range is inf: refused
                 norm = float(np.linalg.norm(grad))
-        return GradientSize(self._need_store().updater.max_abs(grad), norm)
+        return GradientSize(self.max_abs(grad), norm)
+
+    def max_abs(self, grad: np.ndarray) -> float:
+        """max |g| of (a piece of) a gradient, by the updater's stateless ``max_abs`` (may run
+        on another thread)."""
+        return self._need_store().updater.max_abs(grad)
 
     def push(
         self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame, size: GradientSize | None = None

@@ -20,6 +20,7 @@ import signal
 import ssl
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from .core import GradientSize, LearnerInfo, ServerCore, learner_extra
 from .session import Session
 from .stats import Traffic
 from .store import Background, off_loop
+from .written import max_abs_as_written, until_written
 
 if TYPE_CHECKING:
     from ..monitor import Monitor
@@ -258,12 +260,25 @@ class ParameterServer:
     async def measure(self, learner: LearnerInfo, frame: Frame) -> GradientSize | None:
         """Check a PUSH and measure its gradient on the check thread, if it is large (the loop
         and the update in flight go on meanwhile); None for a small one, which the core
-        measures inline."""
-        if not off_loop(frame.body.nbytes // 4):
+        measures inline. A gradient its learner still writes (``frame.written``) is measured
+        piece by piece as it is written; one that is small or whose norm is bounded, once
+        all of it is. Either way the whole body is written when this returns."""
+        large = off_loop(frame.body.nbytes // 4)
+        if frame.written is not None and not (large and self.config.max_grad_norm is None):
+            await until_written(frame)
+            frame.written = None
+        if not large:
             return None
         _, grad = self.core.check_push(learner, frame.meta, frame)
+        if frame.written is not None:
+            as_written = GradientSize(await max_abs_as_written(frame, grad, self._check_max_abs))
+            frame.written = None  # all of it is written now
+            return as_written
         size: GradientSize = await asyncio.wrap_future(self._background.check(self.core.measure, grad))
         return size
+
+    def _check_max_abs(self, piece: np.ndarray) -> Future[float]:
+        return self._background.check(self.core.max_abs, piece)
 
     async def updates_computed(self) -> None:
         """Return once every decided update is computed (waiting without blocking the loop).

@@ -157,6 +157,7 @@ class Session:
             frame.msg_type == MsgType.PUSH
             and frame.meta.get("pull") is True
             and frame.error is None
+            and frame.written is None
             and learner is not None
             and core.protocol.answers_at_once
             and store is not None
@@ -218,6 +219,8 @@ class Session:
             return f"no hello within {cfg.handshake_timeout:g} s"
         if self.deadline_code == "reply_not_read":
             return f"a reply not read within {cfg.idle_timeout:g} s"
+        if self.deadline_code == "push_not_written":
+            return f"a gradient not written within {cfg.idle_timeout:g} s"
         return f"no request for {cfg.idle_timeout:g} s"
 
     async def _dispatch(self, frame: Frame) -> None:
@@ -275,7 +278,14 @@ class Session:
 
     async def _push(self, frame: Frame) -> None:
         learner = self._learner()
-        size = await self.server.measure(learner, frame)
+        if frame.written is not None:  # the learner still writes the gradient: for at most the idle timeout
+            self._deadline_in(self.server.config.idle_timeout, "push_not_written")
+            learner.writing = True
+        try:
+            size = await self.server.measure(learner, frame)
+        finally:
+            learner.writing = False
+            self._deadline_in(0, "push_not_written")
         if size is not None:  # a large model: an update may be in flight; deciding one must not wait for it on the loop
             await self.server.updates_computed()
         pending = self.core.push(learner, frame.meta, frame, size)  # the core checks the fields and takes the frame
@@ -342,17 +352,23 @@ class Session:
     ) -> None:
         """Send with a deadline: a peer that does not read its reply is closed after the idle
         timeout. With a ``gate``, the body is still being computed (``Connection.send_computing``)."""
-        idle = self.server.config.idle_timeout
-        if idle and self.state is State.READY:
-            self.deadline, self.deadline_code = time.monotonic() + idle, "reply_not_read"
+        if self.state is State.READY:
+            self._deadline_in(self.server.config.idle_timeout, "reply_not_read")
         try:
             if gate is None:
                 await self.conn.send(msg_type, meta, arrays)
             else:
                 await self.conn.send_computing(msg_type, meta, arrays, gate)
         finally:
-            if self.deadline_code == "reply_not_read":
-                self.deadline = None
+            self._deadline_in(0, "reply_not_read")
+
+    def _deadline_in(self, seconds: float, code: str) -> None:
+        """Close the connection (counted as ``code``) unless the deadline is cleared within
+        ``seconds``; 0 clears a deadline of ``code``, if that is the one set."""
+        if seconds:
+            self.deadline, self.deadline_code = time.monotonic() + seconds, code
+        elif self.deadline_code == code:
+            self.deadline = None
 
     async def _refuse(self, code: str, message: str, *, fatal: bool, seq: Any) -> None:
         """Count, log and answer a refused request; a fatal refusal ends the session."""

@@ -7,7 +7,10 @@ only a reference (segment name, length, segment list) crosses the socket. The re
 maps the segment once and reads the body in place: ``Frame.body`` is a view of shared
 memory, so a gradient is never copied on the server side. A sender with ``MAX_SEGMENTS``
 bodies outstanding waits (back-pressure). A segment is never written while the receiver
-may read it, so no reader ever sees a half-written body.
+may read it, so no reader ever sees a half-written body; the exceptions are bodies sent
+before they are final, each with a *progress word* that says how much of it is: the
+server's weights while their update is computed, and a blocking learner's large pushes
+while it writes them (each side does so only where the other said it reads the word).
 
 Returning a segment costs no message: every sender segment ends in a control block of two
 64-bit words, the *released ticket* and the *sender waits* flag. Each body sent in the
@@ -76,6 +79,16 @@ _PROGRESS = "~progress"
 #: made (x86's total store order): a body's bytes before the progress word that covers them.
 #: Only then is a body sent while it is computed; elsewhere replies wait for the update.
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+#: a blocking learner sends the reference of a PUSH at least this large before writing its
+#: body, to a server whose WELCOME says it reads progress words (the server then checks each
+#: piece as it is written)
+WRITE_AHEAD_MIN = 16 << 20
+#: bytes a body written after its reference is written in, its progress word stored after each
+WRITE_PIECE = 8 << 20
+#: orders a piece's bytes before the progress word that covers them: a locked instruction
+#: (taking a lock) also drains the write-combining buffers of a memcpy's non-temporal
+#: stores, which x86's store order does not cover
+_FENCE = threading.Lock()
 _counter = itertools.count()
 
 
@@ -199,6 +212,23 @@ class _Segment:
         self.busy = True
         self.ticket += 1
         return self.ticket
+
+    def write(self, arrays: Sequence[np.ndarray], word: np.ndarray | None = None) -> None:
+        """Copy ``arrays`` one after another from the segment's start. With ``word`` (the
+        body's progress word), in pieces of :data:`WRITE_PIECE` bytes, storing after each
+        how many bytes are final, fenced so that a reader on another CPU sees them first."""
+        offset = 0
+        for a in arrays:
+            flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            step = WRITE_PIECE if word is not None else max(flat.nbytes, 1)
+            for lo in range(0, flat.nbytes, step):
+                hi = min(lo + step, flat.nbytes)
+                self.array[offset + lo : offset + hi] = flat[lo:hi]
+                if word is not None:
+                    with _FENCE:
+                        pass
+                    word[0] = offset + hi
+            offset += flat.nbytes
 
     def destroy(self) -> None:
         if self.progress is not None:
@@ -388,6 +418,14 @@ class _Outgoing:
         """A segment holding a copy of ``arrays`` (``nbytes`` in all), now busy, and the
         body's ticket; None while every segment allowed is busy (then, in :meth:`waiting`,
         wait for a RELEASE notice or ``RECHECK_S``, and ask again)."""
+        seg = self.reserve(nbytes)
+        if seg is None:
+            return None
+        seg.write(arrays)
+        return seg, seg.lend()
+
+    def reserve(self, nbytes: int) -> _Segment | None:
+        """A free segment of at least ``nbytes`` (not yet lent); None as for :meth:`take`."""
         free = [s for s in self.segments.values() if s.free and s.size >= nbytes]
         if free:
             seg = min(free, key=lambda s: s.size)
@@ -398,12 +436,7 @@ class _Outgoing:
             self.segments[seg.shm.name] = seg
         else:
             return None
-        offset = 0
-        for a in arrays:
-            if a.nbytes:
-                seg.array[offset : offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-                offset += a.nbytes
-        return seg, seg.lend()
+        return seg
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -469,8 +502,49 @@ class ShmConnection(StreamConnection):
     def _resolve(self, frame: Frame) -> Frame | WireError:
         resolved = resolve_reference(frame, self.limits, self._admit, self._in, self._release)
         if isinstance(resolved, Frame) and resolved.error is None:
+            if _PROGRESS in resolved.meta and frame.msg_type != MsgType.HELLO:  # in a HELLO: the flag
+                return self._being_written(resolved, frame.meta[_REF])
             self.bytes_in += resolved.body.nbytes  # the body came through shared memory
         return resolved
+
+    def _reads_progress(self) -> bool:
+        """Whether this end reads the progress words of pushes written after their reference
+        (said in the WELCOME to a peer whose HELLO said it follows progress words)."""
+        return ORDERED_STORES and self._follows_progress
+
+    def _being_written(self, frame: Frame, ref: list[Any]) -> Frame | WireError:
+        """A PUSH whose sender writes its body after sending the reference: the frame, whose
+        ``written`` reads the body's progress word (in the sender's segment, after the body);
+        a fatal error where this end did not allow it or the word is misplaced."""
+        at, nbytes = frame.meta.pop(_PROGRESS), frame.body.nbytes
+        start = ref[3] if len(ref) > 3 else 0
+        shm = self._in[ref[0]]
+        error = None
+        if not (frame.msg_type == MsgType.PUSH and self._reads_progress()):
+            error = 'a body written after its reference ("~progress") in a frame other than a PUSH, or unannounced'
+        elif not (
+            isinstance(at, int)
+            and not isinstance(at, bool)
+            and at % 8 == 0
+            and start + nbytes <= at <= shm.size - CONTROL - 8
+        ):
+            error = f"bad progress word position {at!r} for a body at [{start}, {start + nbytes})"
+        if error is not None:
+            frame.release()
+            return MalformedFrame(error)
+        word = np.frombuffer(shm.buf, np.int64, 1, at)
+
+        def written() -> int:
+            if self.is_closed:
+                raise PeerGone("the learner went away while writing its gradient")
+            final = int(word[0])
+            if final < 0:
+                raise PeerGone("the learner could not write its gradient")
+            return min(final, nbytes)
+
+        frame.written = written
+        self.bytes_in += nbytes
+        return frame
 
     def _release(self, name: str, offset: int, ticket: int | None) -> None:
         notice = release_notice(self._in, name, offset, ticket)
@@ -542,6 +616,8 @@ class ShmConnection(StreamConnection):
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
+        if msg_type == MsgType.WELCOME and self._reads_progress():  # pushes may come before they are written
+            meta = {**(meta or {}), _PROGRESS: True}
         shared = _shared_body(arrays, self.limits)
         if shared is None:
             await super().send(msg_type, meta, arrays)
@@ -589,6 +665,7 @@ class BlockingShmConnection(BlockingConnection):
         self._out = _Outgoing()
         self._in: dict[str, _Attached] = {}
         self._held: collections.deque[Frame] = collections.deque()  # read while waiting for a RELEASE
+        self._write_ahead = False  # the server's WELCOME said it reads progress words of pushes
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
@@ -599,18 +676,38 @@ class BlockingShmConnection(BlockingConnection):
             await super().send(msg_type, meta, arrays)
             return
         body, specs = shared
-        taken = self._out.take(arrays, body)
-        if taken is None:  # every segment is still being read: take frames until one comes back
-            with self._out.waiting():
-                while (taken := self._out.take(arrays, body)) is None:
-                    if self._readable(RECHECK_S) and (frame := await self._one()) is not None:
-                        self._held.append(frame)
-        seg, ticket = taken
+        ahead = msg_type == MsgType.PUSH and self._write_ahead and body >= WRITE_AHEAD_MIN
+        at = -(-body // 8) * 8  # the progress word of a body written after its reference
+        seg = await self._segment(at + 8 if ahead else body)
+        ticket = seg.lend()
+        word = np.ndarray((1,), np.int64, buffer=seg.shm.buf, offset=at) if ahead else None
+        if word is None:
+            seg.write(arrays)
+        else:
+            word[0] = 0
+            meta = {**(meta or {}), _PROGRESS: at}
         try:
             await super().send(msg_type, {**(meta or {}), _REF: [seg.shm.name, body, specs, 0, ticket]})
         except FrameTooLarge:  # the metadata: nothing went out, the segment stays free
             seg.busy = False
             raise
+        if word is not None:  # the server checks each piece as the word says it is written
+            try:
+                seg.write(arrays, word)
+            except BaseException:
+                word[0] = -1
+                raise
+
+    async def _segment(self, nbytes: int) -> _Segment:
+        """A free segment of at least ``nbytes``; while every one is still being read, take
+        frames (kept for :meth:`recv`) until one comes back."""
+        seg = self._out.reserve(nbytes)
+        if seg is None:
+            with self._out.waiting():
+                while (seg := self._out.reserve(nbytes)) is None:
+                    if self._readable(RECHECK_S) and (frame := await self._one()) is not None:
+                        self._held.append(frame)
+        return seg
 
     async def recv(self) -> Frame:
         return self._held.popleft() if self._held else await self._next()
@@ -627,6 +724,8 @@ class BlockingShmConnection(BlockingConnection):
         if frame.msg_type == RELEASE:
             self._out.released(str(frame.meta.get("name")), frame.meta.get("ticket"))
             return None
+        if frame.msg_type == MsgType.WELCOME and frame.meta.get(_PROGRESS) is True:
+            self._write_ahead = ORDERED_STORES
         if _REF not in frame.meta:
             return frame
         resolved = resolve_reference(frame, self.limits, lambda header: None, self._in, self._release)
