@@ -590,16 +590,17 @@ def write_ahead(monkeypatch, piece_s: float = 0.002) -> list[float]:
     return checked
 
 
-@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("ordered, alone", [(True, True), (True, False), (False, True)])
 async def test_a_blocking_learner_over_shm_pushes_before_writing_and_the_server_checks_as_it_writes(
-    ordered, monkeypatch
+    ordered, alone, monkeypatch
 ):
     """On a machine with ordered stores the server's WELCOME tells a SyncClient (whose HELLO
     said it follows progress words) that it reads them in pushes too; the learner then sends
     a large push's reference first and writes the body piece by piece, and the server
     checks each piece as the word says it is written, so the check ends right after the
-    copy. The updates are SGD's, bit for bit; without ordered stores every push is written
-    first."""
+    copy; while another learner has a request in progress (not ``alone``) it checks the
+    whole gradient once written. The updates are SGD's, bit for bit; without ordered stores
+    every push is written first."""
     size = 50_000  # 200 KB: 13 pieces of 2 ms
     rng = np.random.default_rng(8)
     w0 = rng.standard_normal(size).astype(np.float32)
@@ -617,12 +618,14 @@ async def test_a_blocking_learner_over_shm_pushes_before_writing_and_the_server_
             pushed.append((start, time.monotonic()))
 
     monkeypatch.setattr(shm.BlockingShmConnection, "send", timed_send)
+    if not alone:
+        monkeypatch.setattr(ServerCore, "alone", lambda self, learner: False)
     async with run_server(listen=["shm://"], lr=0.05, momentum=0.9, kernel="numpy") as ps:
         got = await asyncio.to_thread(push_pull_each, ps.addresses[0], w0, grads)
     for mine, theirs in zip(got, expected):
         np.testing.assert_array_equal(mine, theirs)
     during = [sum(start < t < end for t in checked) for start, end in pushed]
-    if ordered:  # 13 pieces written, most checked while they are (a late look may take two at once)
+    if ordered and alone:  # 13 pieces written, most checked while they are (a late look may take two at once)
         assert all(n >= 6 for n in during), during
     else:  # each push checked whole, once it is written
         assert len(checked) == 3
