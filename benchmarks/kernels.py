@@ -6,8 +6,8 @@ same run: one optimizer step for c = 1, c separate steps for c = 8 (what a serve
 fused multi-gradient kernel would do).
 
 Gradient check: the max |g| every push is measured with (``Updater.max_abs``), per backend,
-at 1M and 25M values, next to one ``np.maximum.reduce`` pass over the same array (the
-cost of reading it once) in the same run.
+at 1M and 25M values, next to one ``np.maximum.reduce`` pass over the same arrays (the
+cost of reading one once) in the same run; each call reads the next of four arrays.
 
 GPU (--gpu): the CuPy kernel's achieved memory bandwidth (bytes it must read and write per
 update / time) as a fraction of the device's copy bandwidth measured in the same run.
@@ -18,12 +18,18 @@ update / time) as a fraction of the device's copy bandwidth measured in the same
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import numpy as np
 import torch
 from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from rudra_async.kernels import SGD, Group, cupy_device_available, make_updater
+
+#: gradients the check reads in turn, as a server reads each pushed gradient once: on some
+#: hosts a reduction over one 100 MB array read again and again times very differently
+#: (torch.aminmax ~12 ms there, ~7 ms over arrays read in turn)
+CHECK_ARRAYS = 4
 
 
 def cpu(reps: int) -> None:
@@ -56,14 +62,18 @@ def cpu(reps: int) -> None:
 
 def check(reps: int) -> None:
     torch.set_num_threads(1)  # as the server runs the torch kernel (--kernel-threads 1)
-    print(f"gradient check (max |g|, torch threads: 1), median of {reps}; ms, ratio vs one np.max pass")
+    print(
+        f"gradient check (max |g|, torch threads: 1), median of {reps}, {CHECK_ARRAYS} arrays read in turn; "
+        "ms, ratio vs one np.max pass"
+    )
     for n in (1_000_000, 25_000_000):
-        g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-        base = median_time(lambda: np.maximum.reduce(g), reps)
+        grads = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(CHECK_ARRAYS)]
+        turn = itertools.cycle(grads)
+        base = median_time(lambda: np.maximum.reduce(next(turn)), reps)
         line = f"  n={n:>10,}:  np.max pass {base * 1e3:7.2f}"
         for backend in ("numpy", "torch"):
             up = make_updater(backend, n)
-            t = median_time(lambda: up.max_abs(g), reps)
+            t = median_time(lambda: up.max_abs(next(turn)), reps)
             line += f"   {backend} {t * 1e3:7.2f} ({base / t:4.2f}x)"
         print(line)
 
