@@ -267,8 +267,9 @@ class ParameterServer:
         is bounded, or whose learner is not alone, once all of it is written. Either way the
         whole body is written when this returns."""
         large = off_loop(frame.body.nbytes // 4)
-        piecewise = large and self.config.max_grad_norm is None and self.core.alone(learner)
-        if frame.written is not None and not piecewise:
+        if frame.written is not None and not (
+            large and self.config.max_grad_norm is None and self.core.alone(learner)
+        ):  # not piece by piece: as if it had come whole
             await until_written(frame)
             frame.written = None
         if not large:
