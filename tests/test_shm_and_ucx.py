@@ -631,6 +631,24 @@ async def test_a_blocking_learner_over_shm_pushes_before_writing_and_the_server_
         assert len(checked) == 3
 
 
+async def test_pushes_written_after_their_reference_reuse_the_segment_of_the_hello(monkeypatch):
+    """Every segment a learner makes has room for a progress word after a body of its size,
+    so its pushes written after their reference go into the segment its HELLO's initial
+    weights used (a new one would stay mapped by the server: a model's size of memory)."""
+    write_ahead(monkeypatch, piece_s=0)
+    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    size = 400_000  # 1.6 MB: beyond the smallest segment (1 MiB)
+    names = []
+    reserve = shm._Outgoing.reserve
+    monkeypatch.setattr(shm._Outgoing, "reserve", lambda self, n: names.append(seg := reserve(self, n)) or seg)
+    w0 = np.zeros(size, np.float32)
+    grads = [np.full(size, 0.5, np.float32)] * 2
+    async with run_server(listen=["shm://"], lr=0.05, momentum=0.9, kernel="numpy") as ps:
+        got = await asyncio.to_thread(push_pull_each, ps.addresses[0], w0, grads)
+    np.testing.assert_array_equal(got[-1], numpy_sgd(w0, grads)[-1])
+    assert len(names) == 3 and len({seg.shm.name for seg in names}) == 1
+
+
 async def test_a_nan_in_the_last_piece_of_a_push_written_after_its_reference_is_refused(monkeypatch):
     """The pieces checked as they are written find a NaN in the last one: the push is
     refused (bad_gradient), nothing is applied and the learner goes on."""

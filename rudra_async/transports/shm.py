@@ -92,6 +92,12 @@ _FENCE = threading.Lock()
 _counter = itertools.count()
 
 
+def _word_at(nbytes: int) -> int:
+    """Where the progress word of a body of ``nbytes`` at a segment's start goes: the first
+    8-byte boundary after it."""
+    return -(-nbytes // 8) * 8
+
+
 class _Exported(SharedMemory):
     """Process-wide shared memory that connections can send by reference, without a copy.
 
@@ -105,7 +111,7 @@ class _Exported(SharedMemory):
     def allocate(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of exported memory, followed in its segment by the int64 progress word
         of a body sent while it is computed (:meth:`progress_word`)."""
-        at = -(-max(nbytes, 1) // 8) * 8
+        at = _word_at(max(nbytes, 1))
         seg = _Segment(at + 8)
         seg.progress = _ProgressWord(seg, at)
         self.segments[seg.shm.name] = seg
@@ -116,7 +122,7 @@ class _Exported(SharedMemory):
         """The progress word of the allocation that is exactly the ``nbytes`` at ``where``
         (segment name, offset: :meth:`locate`'s); None for any other body."""
         seg, offset = self.segments.get(where[0]), where[1]
-        if seg is None or seg.progress is None or offset or -(-nbytes // 8) * 8 != seg.progress.at:
+        if seg is None or seg.progress is None or offset or _word_at(nbytes) != seg.progress.at:
             return None
         return seg.progress
 
@@ -432,7 +438,7 @@ class _Outgoing:
         elif sum(not s.free for s in self.segments.values()) < MAX_SEGMENTS:
             for name in [n for n, s in self.segments.items() if s.free]:  # too small: replace
                 self.segments.pop(name).destroy()
-            seg = _Segment(max(nbytes, 1 << 20))
+            seg = _Segment(max(_word_at(nbytes) + 8, 1 << 20))  # a later body of this size may need its word
             self.segments[seg.shm.name] = seg
         else:
             return None
@@ -677,7 +683,7 @@ class BlockingShmConnection(BlockingConnection):
             return
         body, specs = shared
         ahead = msg_type == MsgType.PUSH and self._write_ahead and body >= WRITE_AHEAD_MIN
-        at = -(-body // 8) * 8  # the progress word of a body written after its reference
+        at = _word_at(body)  # the progress word of a body written after its reference
         seg = await self._segment(at + 8 if ahead else body)
         ticket = seg.lend()
         word = np.ndarray((1,), np.int64, buffer=seg.shm.buf, offset=at) if ahead else None
