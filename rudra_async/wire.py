@@ -20,7 +20,7 @@ import enum
 import itertools
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import msgpack
@@ -269,7 +269,7 @@ class Frame:
     def take(self) -> Frame:
         """Move ownership of the body to a new Frame, which the caller must release; this one's
         :meth:`release` becomes a no-op (for a consumer that keeps a frame past its handler)."""
-        taken = Frame(self.msg_type, self.meta, self.body, self.specs, self.error, self._release, self.written)
+        taken = replace(self)
         self._release = None
         return taken
 

@@ -20,7 +20,6 @@ import signal
 import ssl
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -276,14 +275,12 @@ class ParameterServer:
             return None
         _, grad = self.core.check_push(learner, frame.meta, frame)
         if frame.written is not None:
-            as_written = GradientSize(await max_abs_as_written(frame, grad, self._check_max_abs))
+            check = functools.partial(self._background.check, self.core.max_abs)
+            as_written = GradientSize(await max_abs_as_written(frame, grad, check))
             frame.written = None  # all of it is written now
             return as_written
         size: GradientSize = await asyncio.wrap_future(self._background.check(self.core.measure, grad))
         return size
-
-    def _check_max_abs(self, piece: np.ndarray) -> Future[float]:
-        return self._background.check(self.core.max_abs, piece)
 
     async def updates_computed(self) -> None:
         """Return once every decided update is computed (waiting without blocking the loop).

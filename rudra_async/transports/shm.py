@@ -226,11 +226,12 @@ class _Segment:
         offset = 0
         for a in arrays:
             flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            step = WRITE_PIECE if word is not None else max(flat.nbytes, 1)
-            for lo in range(0, flat.nbytes, step):
-                hi = min(lo + step, flat.nbytes)
-                self.array[offset + lo : offset + hi] = flat[lo:hi]
-                if word is not None:
+            if word is None:
+                self.array[offset : offset + flat.nbytes] = flat
+            else:
+                for lo in range(0, flat.nbytes, WRITE_PIECE):
+                    hi = min(lo + WRITE_PIECE, flat.nbytes)
+                    self.array[offset + lo : offset + hi] = flat[lo:hi]
                     with _FENCE:
                         pass
                     word[0] = offset + hi
@@ -311,6 +312,13 @@ class _Attached:
         self.buf = memoryview(self._mmap)
         self._control: np.ndarray | None = None
         self._closed = False
+
+    def word(self, at: Any, lo: int, hi: int) -> np.ndarray | None:
+        """A view of the int64 progress word at byte ``at``, if ``at`` is an int, 8-byte
+        aligned, and the word lies within ``[lo, hi)``; None for any other position."""
+        if not (isinstance(at, int) and not isinstance(at, bool) and at % 8 == 0 and lo <= at <= hi - 8):
+            return None
+        return np.frombuffer(self.buf, np.int64, 1, at)
 
     def mark_released(self, ticket: int) -> bool:
         """Store ``ticket`` as released in the owner's control block; True if the owner
@@ -525,32 +533,26 @@ class ShmConnection(StreamConnection):
         at, nbytes = frame.meta.pop(_PROGRESS), frame.body.nbytes
         start = ref[3] if len(ref) > 3 else 0
         shm = self._in[ref[0]]
-        error = None
+        word = shm.word(at, start + nbytes, shm.size - CONTROL)
         if not (frame.msg_type == MsgType.PUSH and self._reads_progress()):
             error = 'a body written after its reference ("~progress") in a frame other than a PUSH, or unannounced'
-        elif not (
-            isinstance(at, int)
-            and not isinstance(at, bool)
-            and at % 8 == 0
-            and start + nbytes <= at <= shm.size - CONTROL - 8
-        ):
+        elif word is None:
             error = f"bad progress word position {at!r} for a body at [{start}, {start + nbytes})"
-        if error is not None:
-            frame.release()
-            return MalformedFrame(error)
-        word = np.frombuffer(shm.buf, np.int64, 1, at)
+        else:
+            frame.written = functools.partial(self._written, word, nbytes)
+            self.bytes_in += nbytes
+            return frame
+        frame.release()
+        return MalformedFrame(error)
 
-        def written() -> int:
-            if self.is_closed:
-                raise PeerGone("the learner went away while writing its gradient")
-            final = int(word[0])
-            if final < 0:
-                raise PeerGone("the learner could not write its gradient")
-            return min(final, nbytes)
-
-        frame.written = written
-        self.bytes_in += nbytes
-        return frame
+    def _written(self, word: np.ndarray, nbytes: int) -> int:
+        """How many of a pushed body's ``nbytes`` its progress ``word`` says are written."""
+        if self.is_closed:
+            raise PeerGone("the learner went away while writing its gradient")
+        final = int(word[0])
+        if final < 0:
+            raise PeerGone("the learner could not write its gradient")
+        return min(final, nbytes)
 
     def _release(self, name: str, offset: int, ticket: int | None) -> None:
         notice = release_notice(self._in, name, offset, ticket)
@@ -748,11 +750,11 @@ class BlockingShmConnection(BlockingConnection):
         bytes are final; the reference is released once all are. -1 in the word, or the
         server gone meanwhile, raises PeerGone."""
         shm, n = self._in[name], frame.body.nbytes
-        if not (isinstance(at, int) and not isinstance(at, bool) and at >= 0 and at % 8 == 0 and at + 8 <= shm.size):
+        word = shm.word(at, 0, shm.size)
+        if word is None:
             frame.release()
             self._lost = PeerGone(f"the server sent a bad progress word position {at!r}")
             raise self._lost
-        word = np.frombuffer(shm.buf, np.int64, 1, at)
         target = self.allocator(frame.msg_type, frame.meta, n) if self.allocator is not None else None
         out = np.empty(n, np.uint8).data if target is None else target.cast("B")
         done, gone = 0, False
