@@ -135,3 +135,31 @@ def test_matrix_runs_references_side_by_side_and_overlap_only_where_there_is_com
         ("reference", "b", 2),
         ("reference", "b", 4),
     ]
+
+
+def test_a_point_that_fails_before_any_step_is_launched_again_up_to_three_times(monkeypatch):
+    hang = "timed out after 60 s waiting for every learner's first step (steps per learner: [0, 0])"
+    outcomes: list[list[dict]] = []
+
+    def run_once(system, workload, lam, rep, args):
+        result = outcomes.pop(0)
+        return [
+            {**r, "system": system, "workload": workload, "learners": lam, "rep": rep, "wall_s": 1.0} for r in result
+        ]
+
+    monkeypatch.setattr(driver, "run_once", run_once)
+    ok = [{"window": 0, "updates_per_s": 5.0}, {"window": 1, "updates_per_s": 6.0}]
+    outcomes[:] = [[{"error": hang, "logs": {"w": "x"}}], [{"error": hang}], ok]
+    results = driver.run_point("mxnet:dist_sync", "b", 2, 0, None)
+    assert [r["updates_per_s"] for r in results] == [5.0, 6.0] and not outcomes
+    assert [e["error"] for e in results[0]["earlier_tries"]] == [hang, hang]
+    assert results[0]["earlier_tries"][0]["logs"] == {"w": "x"} and results[0]["wall_s"] == 3.0
+    assert driver.summarize(results)[("mxnet:dist_sync", "b", 2)]["retried"] == [hang, hang]  # once per launch
+
+    outcomes[:] = [[{"error": hang}]] * 4
+    results = driver.run_point("mxnet:dist_sync", "b", 2, 0, None)
+    assert results[0]["error"] == hang and len(results[0]["earlier_tries"]) == 2 and len(outcomes) == 1
+
+    outcomes[:] = [[{"error": "the server exited with 1"}], ok]
+    results = driver.run_point("mxnet:dist_sync", "b", 2, 0, None)
+    assert results[0]["error"] == "the server exited with 1" and "earlier_tries" not in results[0]
