@@ -266,15 +266,16 @@ class ParameterServer:
         is bounded, or whose learner is not alone, once all of it is written. Either way the
         whole body is written when this returns."""
         large = off_loop(frame.body.nbytes // 4)
-        if frame.written is not None and not (
-            large and self.config.max_grad_norm is None and self.core.alone(learner)
-        ):  # not piece by piece: as if it had come whole
+        piecewise = (
+            frame.written is not None and large and self.config.max_grad_norm is None and self.core.alone(learner)
+        )
+        if frame.written is not None and not piecewise:  # as if it had come whole
             await until_written(frame)
             frame.written = None
         if not large:
             return None
         _, grad = self.core.check_push(learner, frame.meta, frame)
-        if frame.written is not None:
+        if piecewise:
             check = functools.partial(self._background.check, self.core.max_abs)
             as_written = GradientSize(await max_abs_as_written(frame, grad, check))
             frame.written = None  # all of it is written now

@@ -93,8 +93,8 @@ _counter = itertools.count()
 
 
 def _word_at(nbytes: int) -> int:
-    """Where the progress word of a body of ``nbytes`` at a segment's start goes: the first
-    8-byte boundary after it."""
+    """Where an int64 word after ``nbytes`` at a segment's start goes (a body's progress
+    word, a segment's control block): the first 8-byte boundary after them."""
     return -(-nbytes // 8) * 8
 
 
@@ -189,7 +189,7 @@ class _Segment:
         resource_tracker.ensure_running()
         name = f"rudra-{os.getpid()}-{secrets.token_hex(8)}"
         resource_tracker.register("/" + name, "shared_memory")
-        at = -(-size // 8) * 8
+        at = _word_at(size)
         try:
             self.shm = shared_memory.SharedMemory(name, create=True, size=at + CONTROL)
         except BaseException:
@@ -218,6 +218,11 @@ class _Segment:
         self.busy = True
         self.ticket += 1
         return self.ticket
+
+    def word(self, at: int) -> np.ndarray:
+        """A view of the int64 word at byte ``at`` (8-byte aligned, within the segment)."""
+        view: np.ndarray = np.ndarray((1,), np.int64, buffer=self.shm.buf, offset=at)
+        return view
 
     def write(self, arrays: Sequence[np.ndarray], word: np.ndarray | None = None) -> None:
         """Copy ``arrays`` one after another from the segment's start. With ``word`` (the
@@ -259,7 +264,7 @@ class _ProgressWord:
 
     def __init__(self, seg: _Segment, at: int) -> None:
         self.at = at
-        self._word: np.ndarray | None = np.ndarray((1,), np.int64, buffer=seg.shm.buf, offset=at)
+        self._word: np.ndarray | None = seg.word(at)
         self._lock = threading.Lock()
         self._gate: Gate | None = None  # the update followed (kept: its identity stays unique)
 
@@ -688,7 +693,7 @@ class BlockingShmConnection(BlockingConnection):
         at = _word_at(body)  # the progress word of a body written after its reference
         seg = await self._segment(at + 8 if ahead else body)
         ticket = seg.lend()
-        word = np.ndarray((1,), np.int64, buffer=seg.shm.buf, offset=at) if ahead else None
+        word = seg.word(at) if ahead else None
         if word is None:
             seg.write(arrays)
         else:
