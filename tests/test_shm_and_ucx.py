@@ -677,6 +677,18 @@ async def test_a_nan_in_the_last_piece_of_a_push_written_after_its_reference_is_
     assert len(checked) >= 2 * 5  # piece by piece: the NaN was in the last piece checked
 
 
+def train_on_ones(address: str, w0: np.ndarray, steps: int) -> int:
+    """A SyncClient's ``steps`` push+pulls of a gradient of ones from ``w0``: the last timestamp."""
+    client = SyncClient(address, Layout.from_shapes([("w", w0.shape)]), w0)
+    try:
+        w = client.pull()
+        for _ in range(steps):
+            w = client.push_pull(np.ones_like(w0), w.timestamp)
+        return w.timestamp
+    finally:
+        client.close()
+
+
 async def test_a_learner_that_stops_writing_its_push_stalls_no_one_and_is_closed_by_the_deadline(monkeypatch):
     """A learner (written from the docs) sends a push's reference and never writes its body:
     another learner trains meanwhile, and the idle deadline closes the stalled one, counted
@@ -702,21 +714,96 @@ async def test_a_learner_that_stops_writing_its_push_stalls_no_one_and_is_closed
             finally:
                 me.close()
 
-        def honest() -> int:
-            client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
-            try:
-                w = client.pull()
-                for _ in range(5):
-                    w = client.push_pull(np.ones(size, np.float32), w.timestamp)
-                return w.timestamp
-            finally:
-                client.close()
-
         stalled = asyncio.create_task(asyncio.to_thread(stall))
         await asyncio.sleep(0.3)
-        assert await asyncio.wait_for(asyncio.to_thread(honest), 10) == 5
+        assert await asyncio.wait_for(asyncio.to_thread(train_on_ones, ps.addresses[0], w0, 5), 10) == 5
         assert await asyncio.wait_for(stalled, 20) == b""
         assert ps.core.rejected["push_not_written"] == 1 and ps.clock == 5
+
+
+async def test_a_learner_that_stops_writing_its_push_is_evicted_from_a_hardsync_round_by_the_learner_timeout(
+    monkeypatch,
+):
+    """Under hardsync, a member that sends a push's reference and stops writing its body is
+    evicted after --learner-timeout (not held until the idle timeout), so the other member's
+    rounds complete without it; once it writes the rest it rejoins, and its late gradient is
+    dropped."""
+    monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    size = 50_000
+    w0 = np.zeros(size, np.float32)
+    go_on = threading.Event()
+    cfg = dict(protocol="hardsync", learner_timeout=0.5, idle_timeout=60.0, lr=0.05, momentum=0.0, kernel="numpy")
+    async with run_server(listen=["shm://"], **cfg) as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def stall_then_write() -> dict:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                me.send(1, {"layout": [["w", [size]]], "~shm": me.by_reference(w0), "~progress": True})
+                assert me.recv()[0] == MsgType.WELCOME
+                me.body[:] = 1.0
+                me.word[0] = 2 * size  # half of it written, then nothing until told
+                me.push_before_writing(timestamp=0)
+                me.word[0] = 2 * size
+                assert go_on.wait(30)
+                me.word[0] = 4 * size
+                me.sock.settimeout(20)
+                kind, reply = me.recv()
+                assert kind == MsgType.WEIGHTS, reply
+                return reply
+            finally:
+                me.close()
+
+        stalled = asyncio.create_task(asyncio.to_thread(stall_then_write))
+        while ps.core.learners == {} or not any(i.writing for i in ps.core.learners.values()):
+            await asyncio.sleep(0.01)
+        trained = asyncio.to_thread(train_on_ones, ps.addresses[0], w0, 3)
+        assert await asyncio.wait_for(trained, 15) == 3  # not held for the idle timeout
+        evictions = [info["evictions"] for info in ps.stats()["learners"].values()]
+        assert sorted(evictions) == [0, 1]
+        go_on.set()
+        reply = await asyncio.wait_for(stalled, 30)
+        assert reply["timestamp"] == 3  # the weights of the rounds it missed
+        assert ps.clock == 3 and ps.stats()["dropped"] == 1  # its gradient, stamped before them
+
+
+async def test_a_refused_reference_gives_its_segment_back_and_a_ticket_beyond_int64_is_refused():
+    """A PUSH whose reference is refused (its segment list does not describe the body) is
+    answered malformed, not fatal, and its ticket is stored as released, so the sender may
+    write the segment again; a ticket that does not fit the control block's int64 word is
+    refused the same way; then a good push is applied."""
+    size = 50_000
+    async with run_server(listen=["shm://"], lr=0.5, momentum=0.0, kernel="numpy") as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def learn() -> list[tuple[int, dict]]:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                me.send(1, {"layout": [["w", [size]]], "~shm": me.by_reference(np.zeros(size, np.float32))})
+                assert me.recv()[0] == MsgType.WELCOME
+                replies = []
+                bad = me.by_reference(np.ones(size, np.float32))
+                bad[2] = [["<f4", [size - 1]]]  # does not describe nbytes
+                me.send(MsgType.PUSH, {"timestamp": 0, "seq": 1, "~shm": bad})
+                replies.append(me.recv())
+                wait_until(lambda: me.control[0] == me.tickets, 5)  # the refused body was released
+                huge = me.by_reference(np.ones(size, np.float32))
+                huge[4] = 1 << 63
+                me.send(MsgType.PUSH, {"timestamp": 0, "seq": 2, "~shm": huge})
+                replies.append(me.recv())
+                me.control[0] = me.tickets  # that ticket could not be stored: the body is the learner's again
+                me.push(np.ones(size, np.float32), timestamp=0)
+                replies.append(me.recv())
+                return replies
+            finally:
+                me.close()
+
+        (k1, e1), (k2, e2), (k3, ok) = await asyncio.to_thread(learn)
+        for kind, error, seq in ((k1, e1, 1), (k2, e2, 2)):
+            assert kind == MsgType.ERROR and error["code"] == "malformed" and error["fatal"] is False
+            assert error["seq"] == seq
+        assert k3 == MsgType.WEIGHTS and ok["timestamp"] == 1 and ps.clock == 1
 
 
 @pytest.mark.parametrize("case", ["unannounced", "word inside the body", "word past the segment", "in a pull"])

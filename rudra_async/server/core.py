@@ -370,6 +370,17 @@ class ServerCore:
         if learner.slow:
             learner.slow = False
             log.info("learner %d (%s) is back", learner.learner_id, learner.name, extra=learner_extra(learner))
+        self._rejoin(learner)
+
+    def written(self, learner: LearnerInfo) -> None:
+        """The gradient of ``learner``'s push in hand is all written now: the push is in
+        progress (:meth:`alone`), and a learner evicted while it wrote rejoins, as if the
+        push had arrived now (its gradient, stamped before the eviction, is then dropped)."""
+        learner.writing = False
+        self._rejoin(learner)
+
+    def _rejoin(self, learner: LearnerInfo) -> None:
+        """An evicted learner that shows up again rejoins the protocol as a newcomer."""
         if learner.evicted and learner.connected:
             learner.evicted = False
             log.warning(
@@ -385,9 +396,10 @@ class ServerCore:
 
     def evict_hung(self, now: float, timeout: float) -> list[LearnerInfo]:
         """Take out of the protocol every learner that has had its weights (no request of it
-        pending) for more than ``timeout`` seconds without pushing, so the others go on; it
-        rejoins with its next request (its late gradient is then dropped). Not for ``async``,
-        which waits for nobody."""
+        pending but a push whose gradient it still writes) for more than ``timeout`` seconds
+        without pushing, so the others go on; it rejoins with its next request, or once that
+        gradient is written (its late gradient is then dropped). Not for ``async``, which
+        waits for nobody."""
         if not self.protocol.waits_for_members:
             return []
         hung = [
@@ -395,7 +407,7 @@ class ServerCore:
             for info in self.learners.values()
             if info.connected
             and not info.evicted
-            and not info.busy
+            and (not info.busy or info.writing)
             and info.learner_id in self.protocol.members
             and now - info.last_active > timeout
         ]

@@ -256,7 +256,9 @@ class ParameterServer:
         return clock
 
     # -- the update thread --------------------------------------------------------------------
-    async def measure(self, learner: LearnerInfo, frame: Frame) -> GradientSize | None:
+    async def measure(
+        self, learner: LearnerInfo, frame: Frame, on_written: Callable[[], None] = lambda: None
+    ) -> GradientSize | None:
         """Check a PUSH and measure its gradient on the check thread, if it is large (the loop
         and the update in flight go on meanwhile); None for a small one, which the core
         measures inline. A gradient its learner still writes (``frame.written``) is measured
@@ -264,22 +266,23 @@ class ParameterServer:
         (``ServerCore.alone``: otherwise the cores are busy anyway, and the pieces' hand-offs
         cost 2–4% of the updates per second at λ = 2 and 4); one that is small, whose norm
         is bounded, or whose learner is not alone, once all of it is written. Either way the
-        whole body is written when this returns."""
+        whole body is written when this returns, and ``on_written()`` was called as soon as
+        it was (before its measure ends; at once for a frame that came whole)."""
         large = off_loop(frame.body.nbytes // 4)
         piecewise = (
             frame.written is not None and large and self.config.max_grad_norm is None and self.core.alone(learner)
         )
-        if frame.written is not None and not piecewise:  # as if it had come whole
-            await until_written(frame)
-            frame.written = None
+        if not piecewise:
+            if frame.written is not None:  # as if it had come whole
+                await until_written(frame)
+                frame.written = None
+            on_written()
         if not large:
             return None
         _, grad = self.core.check_push(learner, frame.meta, frame)
         if piecewise:
             check = functools.partial(self._background.check, self.core.max_abs)
-            as_written = GradientSize(await max_abs_as_written(frame, grad, check))
-            frame.written = None  # all of it is written now
-            return as_written
+            return GradientSize(await max_abs_as_written(frame, grad, check, on_written))
         size: GradientSize = await asyncio.wrap_future(self._background.check(self.core.measure, grad))
         return size
 

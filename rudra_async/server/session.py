@@ -17,6 +17,7 @@ connection's limits, which depend on its state and are in force from the first b
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -270,6 +271,12 @@ class Session:
         self.server.registered(self)
         await self._reply(MsgType.WELCOME, self.core.welcome(self.learner), frame.meta)
 
+    def _push_written(self, learner: LearnerInfo) -> None:
+        """The gradient of the push in hand is all written: its deadline ends, and the core
+        counts the push as in progress (before the gradient's check ends)."""
+        self._deadline_in(0, "push_not_written")
+        self.core.written(learner)
+
     async def _bye(self, frame: Frame) -> None:
         self._fields(frame)
         self.said_bye = True
@@ -282,8 +289,8 @@ class Session:
             self._deadline_in(self.server.config.idle_timeout, "push_not_written")
             learner.writing = True
         try:
-            size = await self.server.measure(learner, frame)
-        finally:
+            size = await self.server.measure(learner, frame, functools.partial(self._push_written, learner))
+        finally:  # written, or never will be
             learner.writing = False
             self._deadline_in(0, "push_not_written")
         if size is not None:  # a large model: an update may be in flight; deciding one must not wait for it on the loop

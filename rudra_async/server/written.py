@@ -2,7 +2,8 @@
 pushes written after their reference). The server polls how much is written from the event
 loop and hands each written piece to the check thread, so the check of a large gradient
 overlaps the learner's copy instead of following it; the thread itself never waits for a
-learner (a stalled one stalls only its own session, which its deadline then closes)."""
+learner (a stalled one stalls only its own session, which its deadline then closes; a
+protocol that waits for members evicts it meanwhile, see ``ServerCore.evict_hung``)."""
 
 from __future__ import annotations
 
@@ -28,18 +29,30 @@ async def until_written(frame: Frame) -> None:
         await asyncio.sleep(POLL_S)
 
 
-async def max_abs_as_written(frame: Frame, grad: np.ndarray, check: Callable[[np.ndarray], Future[float]]) -> float:
+async def max_abs_as_written(
+    frame: Frame, grad: np.ndarray, check: Callable[[np.ndarray], Future[float]], on_written: Callable[[], None]
+) -> float:
     """max |g| of ``grad`` (the body of ``frame``, as values), each piece measured by
-    ``check`` (on another thread) once it is written; NaN if any piece holds a NaN."""
+    ``check`` (on another thread) once it is written; NaN if any piece holds a NaN. Once
+    all of it is written, ``frame.written`` becomes None and ``on_written()`` is called,
+    before the last pieces are measured. If the learner never finishes (PeerGone), the
+    pieces not yet measured are cancelled and the error is raised."""
     written = frame.written
     assert written is not None, "a frame whose body is being written"
     done, parts = 0, []
-    while done < grad.size:
-        final = written() // grad.itemsize
-        if final >= min(done + PIECE_VALUES, grad.size):
-            parts.append(asyncio.wrap_future(check(grad[done:final])))
-            done = final
-        else:
-            await asyncio.sleep(POLL_S)
+    try:
+        while done < grad.size:
+            final = written() // grad.itemsize
+            if final >= min(done + PIECE_VALUES, grad.size):
+                parts.append(asyncio.wrap_future(check(grad[done:final])))
+                done = final
+            else:
+                await asyncio.sleep(POLL_S)
+    except BaseException:
+        for part in parts:
+            part.cancel()  # a piece not started is never measured; a running one's result is dropped
+        raise
+    frame.written = None
+    on_written()
     found = await asyncio.gather(*parts)
     return math.nan if any(math.isnan(x) for x in found) else max(found, default=0.0)

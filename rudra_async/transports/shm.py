@@ -359,6 +359,9 @@ def resolve_reference(
     offset in the segment (default 0) and the body's ticket."""
     ref = frame.meta[_REF]
     meta = {k: v for k, v in frame.meta.items() if k != _REF}
+    name: Any = None  # the fields a refused reference is released by, if they are well formed
+    offset: Any = None
+    ticket: Any = None
     try:
         name, nbytes, specs, *rest = ref
         offset = rest[0] if rest else 0
@@ -370,14 +373,7 @@ def resolve_reference(
                 admit(Header(frame.msg_type, 0, 0, nbytes))
             except WireError as exc:
                 return exc
-        if not (
-            isinstance(name, str)
-            and isinstance(nbytes, int)
-            and nbytes > 0
-            and isinstance(offset, int)
-            and offset >= 0
-            and (ticket is None or (isinstance(ticket, int) and ticket > 0))
-        ):
+        if not (_names_body(name, offset, ticket) and isinstance(nbytes, int) and nbytes > 0):
             raise MalformedFrame(f"bad shared-memory reference {ref!r}")
         meta["seg"] = specs
         parsed = parse_segments(meta, nbytes)
@@ -391,9 +387,22 @@ def resolve_reference(
     except (MalformedFrame, ValueError, TypeError, OSError) as exc:
         err = exc if isinstance(exc, MalformedFrame) else MalformedFrame(f"bad shared-memory reference: {exc}")
         err.fatal = False
-        return Frame(frame.msg_type, meta, memoryview(b""), [], err)
-    return Frame(
-        frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, lambda: release(name, offset, ticket)
+        # a refused body that is named well is released as usual: its sender gets the segment back
+        named = _names_body(name, offset, ticket)
+        give_back = functools.partial(release, name, offset, ticket) if named else None
+        return Frame(frame.msg_type, meta, memoryview(b""), [], err, give_back)
+    give_back = functools.partial(release, name, offset, ticket)
+    return Frame(frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, give_back)
+
+
+def _names_body(name: Any, offset: Any, ticket: Any) -> bool:
+    """Whether a reference's segment name, offset and ticket are well formed (a ticket must
+    fit the control block's int64 word)."""
+    return (
+        isinstance(name, str)
+        and isinstance(offset, int)
+        and offset >= 0
+        and (ticket is None or (isinstance(ticket, int) and 0 < ticket < 1 << 63))
     )
 
 
