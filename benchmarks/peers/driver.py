@@ -515,6 +515,15 @@ def matrix(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     return points
 
 
+def _earlier_tries(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The launches that failed before the one ``result`` came from, once per launch (on its
+    first window); a JSON file written before launches were retried twice kept one, as
+    ``first_try``, which ``--add`` may bring back."""
+    if "first_try" in result:
+        return [result["first_try"]]
+    return result.get("earlier_tries", []) if result.get("window", 0) == 0 else []
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
     """Per (system, workload, λ): median, min and max of each figure over the passes."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -527,7 +536,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[
             "reps": len(rs),
             "ok": len(ok),
             "errors": [r["error"] for r in rs if "error" in r],
-            "retried": [e["error"] for r in rs if r.get("window", 0) == 0 for e in r.get("earlier_tries", [])],
+            "retried": [e["error"] for r in rs for e in _earlier_tries(r)],
         }
         for figure in FIGURES:
             values = [r[figure] for r in ok if r.get(figure) is not None]
