@@ -155,8 +155,9 @@ def test_a_point_that_fails_before_any_step_is_launched_again_up_to_three_times(
     assert [e["error"] for e in results[0]["earlier_tries"]] == [hang, hang]
     assert results[0]["earlier_tries"][0]["logs"] == {"w": "x"} and results[0]["wall_s"] == 3.0
     assert driver.summarize(results)[("mxnet:dist_sync", "b", 2)]["retried"] == [hang, hang]  # once per launch
-    kept = {"system": "mxnet:dist_sync", "workload": "b", "learners": 2, "first_try": {"error": "x"}}  # an older file's
-    assert driver.summarize([kept])[("mxnet:dist_sync", "b", 2)]["retried"] == ["x"]
+    point = {"system": "mxnet:dist_sync", "workload": "b", "learners": 2, "first_try": {"error": "x"}}  # older files'
+    kept = [{**point, "window": w} for w in range(3)]
+    assert driver.summarize(kept)[("mxnet:dist_sync", "b", 2)]["retried"] == ["x"]
 
     outcomes[:] = [[{"error": hang}]] * 4
     results = driver.run_point("mxnet:dist_sync", "b", 2, 0, None)

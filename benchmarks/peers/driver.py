@@ -518,10 +518,10 @@ def matrix(args: argparse.Namespace) -> list[tuple[str, str, int]]:
 def _earlier_tries(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The launches that failed before the one ``result`` came from, once per launch (on its
     first window); a JSON file written before launches were retried twice kept one, as
-    ``first_try``, which ``--add`` may bring back."""
-    if "first_try" in result:
-        return [result["first_try"]]
-    return result.get("earlier_tries", []) if result.get("window", 0) == 0 else []
+    ``first_try`` (on every window), which ``--add`` may bring back."""
+    if result.get("window", 0) != 0:
+        return []
+    return [result["first_try"]] if "first_try" in result else result.get("earlier_tries", [])
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:

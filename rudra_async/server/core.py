@@ -375,7 +375,8 @@ class ServerCore:
     def written(self, learner: LearnerInfo) -> None:
         """The gradient of ``learner``'s push in hand is all written now: the push is in
         progress (:meth:`alone`), and a learner evicted while it wrote rejoins, as if the
-        push had arrived now (its gradient, stamped before the eviction, is then dropped)."""
+        push had arrived now (the protocol then treats its gradient as any rejoining
+        learner's: hardsync and backup drop it if the round moved on meanwhile)."""
         learner.writing = False
         self._rejoin(learner)
 
@@ -398,7 +399,7 @@ class ServerCore:
         """Take out of the protocol every learner that has had its weights (no request of it
         pending but a push whose gradient it still writes) for more than ``timeout`` seconds
         without pushing, so the others go on; it rejoins with its next request, or once that
-        gradient is written (its late gradient is then dropped). Not for ``async``, which
+        gradient is written (a late gradient is then dropped). Not for ``async``, which
         waits for nobody."""
         if not self.protocol.waits_for_members:
             return []

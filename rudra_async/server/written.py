@@ -48,11 +48,11 @@ async def max_abs_as_written(
                 done = final
             else:
                 await asyncio.sleep(POLL_S)
+        frame.written = None
+        on_written()
     except BaseException:
         for part in parts:
             part.cancel()  # a piece not started is never measured; a running one's result is dropped
         raise
-    frame.written = None
-    on_written()
     found = await asyncio.gather(*parts)
     return math.nan if any(math.isnan(x) for x in found) else max(found, default=0.0)
