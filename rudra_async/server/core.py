@@ -61,12 +61,18 @@ class LearnerInfo:
     dropped: int = 0
     connected: bool = True
     busy: int = 0  # requests of this learner the server is handling now
-    writing: bool = False  # its push in hand is still being written (shm): not yet in progress for alone()
+    writing: bool = False  # its push in hand is still being written (shm): not yet in progress
     last_active: float = 0.0  # when a request of it last arrived or was answered
     evicted: bool = False  # out of the protocol (hung: --learner-timeout) until it shows up again
     evictions: int = 0
     staleness_sum: int = 0
     slow: bool = False  # idle for too long (see ServerCore.newly_slow) until its next request
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether the server handles a request of it now, not counting a push whose gradient
+        it still writes (that push's update comes once it is written, as if it had not arrived)."""
+        return self.busy > 0 and not self.writing
 
     @property
     def staleness_mean(self) -> float:
@@ -357,10 +363,8 @@ class ServerCore:
             self.forgotten.update(learners=1, dropped=old.dropped, evictions=old.evictions)
 
     def alone(self, learner: LearnerInfo) -> bool:
-        """Whether no other learner has a request in progress (a push whose gradient its
-        learner still writes is not yet: its update comes once it is written, as if the push
-        had not arrived)."""
-        return not any(info.busy and not info.writing for info in self.learners.values() if info is not learner)
+        """Whether no other learner has a request in progress (:attr:`LearnerInfo.in_progress`)."""
+        return not any(info.in_progress for info in self.learners.values() if info is not learner)
 
     def active(self, learner: LearnerInfo) -> None:
         """A request of ``learner`` arrived: a slow learner is back; an evicted one rejoins
@@ -408,7 +412,7 @@ class ServerCore:
             for info in self.learners.values()
             if info.connected
             and not info.evicted
-            and (not info.busy or info.writing)
+            and not info.in_progress
             and info.learner_id in self.protocol.members
             and now - info.last_active > timeout
         ]

@@ -272,10 +272,8 @@ class ParameterServer:
         piecewise = (
             frame.written is not None and large and self.config.max_grad_norm is None and self.core.alone(learner)
         )
-        if not piecewise:
-            if frame.written is not None:  # as if it had come whole
-                await until_written(frame)
-                frame.written = None
+        if not piecewise:  # as if it had come whole
+            await until_written(frame)
             on_written()
         if not large:
             return None

@@ -23,10 +23,12 @@ PIECE_VALUES = 1 << 21
 
 
 async def until_written(frame: Frame) -> None:
-    """Return once the whole body of ``frame`` is written (PeerGone if it never will be)."""
+    """Return once the whole body of ``frame`` is written (PeerGone if it never will be);
+    ``frame.written`` is then None, as for a frame that came whole."""
     written = frame.written
     while written is not None and written() < frame.body.nbytes:
         await asyncio.sleep(POLL_S)
+    frame.written = None
 
 
 async def max_abs_as_written(
