@@ -2,6 +2,7 @@
 model, and the targets and table it writes. MXNet (its own environment) stays out."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -166,3 +167,25 @@ def test_a_point_that_fails_before_any_step_is_launched_again_up_to_three_times(
     outcomes[:] = [[{"error": "the server exited with 1"}], ok]
     results = driver.run_point("mxnet:dist_sync", "b", 2, 0, None)
     assert results[0]["error"] == "the server exited with 1" and "earlier_tries" not in results[0]
+
+
+def test_ceiling_reads_a_driver_run_and_bounds_training_by_cores_and_by_steps(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # ceiling.py imports its sibling timing.py
+    import ceiling
+
+    results = []
+    for lam, mx in ((1, 3.0), (2, 5.0)):
+        results.append(_result("mxnet:dist_async", "a0", lam, updates=mx))
+    results.append({**_result("reference", "b", 1, samples=1000, updates=1000 / 32), **_cpu(0.032, None, 1.0)})
+    results += [_result("ddp", "a", 2, samples=75), _result("mxnet:dist_async", "a", 2, samples=60)]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"summary": {json.dumps(list(k)): v for k, v in driver.summarize(results).items()}}))
+    summary = ceiling.load_summary(str(path))
+    assert ceiling.mxnet_targets(summary) == {1: 3.0, 2: 5.0}
+    assert ceiling.training_target(summary, "a", 2) == (pytest.approx(90.0), "1.2 × ddp 75.0")
+    assert ceiling.training_target(summary, "b", 2)[0] == pytest.approx(1900.0)
+    assert ceiling.training_target(summary, "b", 4)[0] == pytest.approx(3800.0)
+    assert math.isnan(ceiling.training_target(summary, "a", 4)[0])  # no peer measured there
+    # cores-bound: 2 cores × 32 ÷ (32 ms + 3 ms); steps-bound: 2 × 32 ÷ (32 ms − 1 ms); the smaller wins
+    assert ceiling.training_bound(0.032, 1000, 32, 0.003, 0.001, 2, 2) == pytest.approx(64 / 0.035)
+    assert ceiling.training_bound(0.032, 1000, 32, 0.003, 0.001, 16, 2) == pytest.approx(64 / 0.031)
