@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import RequestError
 from .security import NONCE_BYTES
-from .wire import MAX_DIMS, MsgType
+from .wire import MAX_DIMS, MsgType, is_int
 
 __all__ = ["FIELDS", "Field", "check", "markdown_table"]
 
@@ -198,10 +198,6 @@ def _bad(field: Field, value: Any) -> RequestError:
     return RequestError(f"field {field.name!r} must be {field.describe_type()}, got {shown}", code="bad_request")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_value(field: Field, value: Any) -> Any:
     kind = field.kind
     if kind == "any":
@@ -211,7 +207,7 @@ def _check_value(field: Field, value: Any) -> Any:
             raise _bad(field, value)
         return value
     if kind in ("int", "number"):
-        ok = _is_int(value) or (kind == "number" and isinstance(value, float))
+        ok = is_int(value) or (kind == "number" and isinstance(value, float))
         if not ok:
             raise _bad(field, value)
         if (field.low is not None and value < field.low) or (field.high is not None and value > field.high):
@@ -229,20 +225,20 @@ def _check_value(field: Field, value: Any) -> Any:
         for item in value:
             if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
                 raise _bad(field, item)
-            if not (isinstance(item[1], list) and all(_is_int(d) for d in item[1])):
+            if not (isinstance(item[1], list) and all(is_int(d) for d in item[1])):
                 raise _bad(field, item)
         return value
     if kind == "groups":
         if not (isinstance(value, list) and value):
             raise _bad(field, value)
         for item in value:
-            if not (isinstance(item, list) and len(item) == 3 and _is_int(item[0])):
+            if not (isinstance(item, list) and len(item) == 3 and is_int(item[0])):
                 raise _bad(field, item)
             if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in item[1:]):
                 raise _bad(field, item)
         return value
     if kind == "shard":
-        if not (isinstance(value, list) and len(value) == 2 and all(_is_int(v) for v in value)):
+        if not (isinstance(value, list) and len(value) == 2 and all(is_int(v) for v in value)):
             raise _bad(field, value)
         if not 0 <= value[0] < value[1]:
             raise _bad(field, value)

@@ -105,6 +105,11 @@ class Header(NamedTuple):
         return HEADER.pack(MAGIC, WIRE_VERSION, self.msg_type, self.flags, self.meta_len, self.body_len)
 
 
+def is_int(value: Any) -> bool:
+    """Whether a decoded metadata value is a msgpack integer (``true``/``false`` are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def unpack_header(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> Header:
     """Parse and validate a header. Raises a fatal :class:`WireError` on any violation."""
     if len(data) != HEADER_SIZE:

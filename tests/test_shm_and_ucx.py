@@ -793,17 +793,47 @@ async def test_a_refused_reference_gives_its_segment_back_and_a_ticket_beyond_in
                 me.send(MsgType.PUSH, {"timestamp": 0, "seq": 2, "~shm": huge})
                 replies.append(me.recv())
                 me.control[0] = me.tickets  # that ticket could not be stored: the body is the learner's again
+                for seq, spoil in ((3, lambda ref: ref.__setitem__(1, True)), (4, lambda ref: ref.append(0))):
+                    bad = me.by_reference(np.ones(size, np.float32))
+                    spoil(bad)  # nbytes a msgpack true, not an int; a sixth element
+                    me.send(MsgType.PUSH, {"timestamp": 0, "seq": seq, "~shm": bad})
+                    replies.append(me.recv())
+                    wait_until(lambda: me.control[0] == me.tickets, 5)
                 me.push(np.ones(size, np.float32), timestamp=0)
                 replies.append(me.recv())
                 return replies
             finally:
                 me.close()
 
-        (k1, e1), (k2, e2), (k3, ok) = await asyncio.to_thread(learn)
-        for kind, error, seq in ((k1, e1, 1), (k2, e2, 2)):
+        *refused, (k5, ok) = await asyncio.to_thread(learn)
+        for seq, (kind, error) in enumerate(refused, 1):
             assert kind == MsgType.ERROR and error["code"] == "malformed" and error["fatal"] is False
             assert error["seq"] == seq
-        assert k3 == MsgType.WEIGHTS and ok["timestamp"] == 1 and ps.clock == 1
+        assert k5 == MsgType.WEIGHTS and ok["timestamp"] == 1 and ps.clock == 1
+
+
+async def test_only_the_hello_a_welcome_answers_can_ask_for_progress_words(monkeypatch):
+    """A HELLO that says "~progress" but is refused does not turn progress words on: the
+    WELCOME to the next HELLO, which does not say it, does not offer them either."""
+    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    size = 50_000
+    async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def learn() -> list[tuple[int, dict]]:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                replies = []
+                for hello in ({"layout": [["w", [size + 1]]], "~progress": True}, {"layout": [["w", [size]]]}):
+                    me.send(1, {**hello, "~shm": me.by_reference(np.zeros(size, np.float32))})
+                    replies.append(me.recv())
+                return replies
+            finally:
+                me.close()
+
+        (k1, refused), (k2, welcome) = await asyncio.to_thread(learn)
+        assert k1 == MsgType.ERROR and refused["fatal"] is False
+        assert k2 == MsgType.WELCOME and "~progress" not in welcome
 
 
 @pytest.mark.parametrize("case", ["unannounced", "word inside the body", "word past the segment", "in a pull"])

@@ -56,7 +56,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..errors import ConfigError, ConnectError, ConnectionClosed, FrameTooLarge, MalformedFrame, PeerGone, WireError
-from ..wire import Frame, Header, Limits, MsgType, encode_frame, parse_segments, spec_of
+from ..wire import Frame, Header, Limits, MsgType, encode_frame, is_int, parse_segments, spec_of
 from . import offload
 from .base import OnAccept, OnConnection, SharedMemory, Transport
 from .blocking import BlockingConnection
@@ -321,7 +321,7 @@ class _Attached:
     def word(self, at: Any, lo: int, hi: int) -> np.ndarray | None:
         """A view of the int64 progress word at byte ``at``, if ``at`` is an int, 8-byte
         aligned, and the word lies within ``[lo, hi)``; None for any other position."""
-        if not (isinstance(at, int) and not isinstance(at, bool) and at % 8 == 0 and lo <= at <= hi - 8):
+        if not (is_int(at) and at % 8 == 0 and lo <= at <= hi - 8):
             return None
         return np.frombuffer(self.buf, np.int64, 1, at)
 
@@ -366,14 +366,14 @@ def resolve_reference(
         name, nbytes, specs, *rest = ref
         offset = rest[0] if rest else 0
         ticket = rest[1] if len(rest) > 1 else None
-        if isinstance(nbytes, int) and nbytes > limits.max_body:
+        if is_int(nbytes) and nbytes > limits.max_body:
             return FrameTooLarge(f"body of {nbytes} bytes exceeds the limit of {limits.max_body}")
-        if isinstance(nbytes, int) and nbytes >= 0:
+        if is_int(nbytes) and nbytes >= 0:
             try:  # the body's size passes the same check as a body sent inline, before any mapping
                 admit(Header(frame.msg_type, 0, 0, nbytes))
             except WireError as exc:
                 return exc
-        if not (_names_body(name, offset, ticket) and isinstance(nbytes, int) and nbytes > 0):
+        if not (_names_body(name, offset, ticket) and is_int(nbytes) and nbytes > 0 and len(rest) <= 2):
             raise MalformedFrame(f"bad shared-memory reference {ref!r}")
         meta["seg"] = specs
         parsed = parse_segments(meta, nbytes)
@@ -400,9 +400,9 @@ def _names_body(name: Any, offset: Any, ticket: Any) -> bool:
     fit the control block's int64 word)."""
     return (
         isinstance(name, str)
-        and isinstance(offset, int)
+        and is_int(offset)
         and offset >= 0
-        and (ticket is None or (isinstance(ticket, int) and 0 < ticket < 1 << 63))
+        and (ticket is None or (is_int(ticket) and 0 < ticket < 1 << 63))
     )
 
 
@@ -504,7 +504,8 @@ class ShmConnection(StreamConnection):
         self._in: dict[str, _Attached] = {}
         self._freed = asyncio.Event()
         self._lent: dict[tuple[str, int], asyncio.Future[None]] = {}  # exported bodies out
-        self._follows_progress = False  # the peer's HELLO said it follows progress words
+        self._follows_progress = False  # the HELLO the WELCOME answers said it follows progress words
+        self._welcomed = False
 
     # -- receiving -------------------------------------------------------------------------
     def _deliver(self, item: Frame | WireError) -> None:
@@ -512,8 +513,8 @@ class ShmConnection(StreamConnection):
             if item.msg_type == RELEASE:
                 self._released(item)
                 return
-            if item.msg_type == MsgType.HELLO and item.meta.get(_PROGRESS) is True:
-                self._follows_progress = True
+            if item.msg_type == MsgType.HELLO and not self._welcomed:  # the last HELLO before the WELCOME
+                self._follows_progress = item.meta.get(_PROGRESS) is True
             if _REF in item.meta:
                 super()._deliver(self._resolve(item))
                 return
@@ -638,8 +639,10 @@ class ShmConnection(StreamConnection):
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
-        if msg_type == MsgType.WELCOME and self._reads_progress():  # pushes may come before they are written
-            meta = {**(meta or {}), _PROGRESS: True}
+        if msg_type == MsgType.WELCOME:
+            self._welcomed = True
+            if self._reads_progress():  # pushes may come before they are written
+                meta = {**(meta or {}), _PROGRESS: True}
         shared = _shared_body(arrays, self.limits)
         if shared is None:
             await super().send(msg_type, meta, arrays)
