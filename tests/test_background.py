@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import run_server
 
+from rudra_async import errors as rudra_errors
 from rudra_async.config import ServerConfig
 from rudra_async.kernels import SGD, Group
 from rudra_async.layout import Layout
@@ -384,3 +385,67 @@ async def test_replies_written_while_their_updates_are_computed_are_exact_and_ne
     assert len(decided) == 16 and len(replies) == 16
     for clock, weights in replies:
         np.testing.assert_array_equal(weights, at_clock[clock], err_msg=f"reply stamped {clock}")
+
+
+@pytest.mark.parametrize("scheme", ["shm://", "memory://"])
+async def test_a_reply_that_waited_for_its_update_goes_out_whole_even_before_the_update_is_reaped(off_loop, scheme):
+    """A learner that cannot take a body still being computed (an asyncio client over shm,
+    whose HELLO does not ask for progress words; any memory:// learner) gets its WEIGHTS
+    only once the update is computed. If the update is computed but not yet reaped on the
+    loop when the reply is sent, the reply must still go out as a finished body (it once
+    went out "being computed": a progress word over shm, NotImplementedError over memory)."""
+    from rudra_async.client import Client
+
+    n = 100_000  # over shm, a body that goes by reference
+    layout = Layout.from_shapes([("w", (n,))])
+    async with run_server(listen=[scheme + ("" if scheme == "shm://" else "reap")], lr=0.5, momentum=0.0) as ps:
+        loop = asyncio.get_running_loop()
+        reap = ps._reap
+        ps._background.wake = lambda: loop.call_soon_threadsafe(loop.call_later, 0.3, reap)  # a busy loop
+        a = await Client.connect(ps.addresses[0], layout, np.zeros(n, np.float32))
+        b = await Client.connect(ps.addresses[0], layout)
+        await a.push(np.ones(n, np.float32), 0)
+        await asyncio.sleep(0.1)
+        assert ps.core.store.in_flight.done() and ps.core.store._progress is not None  # computed, not reaped
+        w = await asyncio.wait_for(b.pull(), 5)
+        assert w.timestamp == 1
+        np.testing.assert_array_equal(w.array, np.full(n, -0.5, np.float32))
+        await a.close()
+        await b.close()
+
+
+async def test_a_reply_cut_off_by_the_deadline_never_reaches_the_learner_with_a_later_update_in_it(send_threads):
+    """tcp, a WEIGHTS reply written by the loop to a learner that stops reading: the
+    ``reply_not_read`` deadline closes the connection and the lease on the weights ends, so
+    the next update writes that buffer in place. Whatever of the frame the transport still
+    held must be dropped, not flushed: a learner reading on must never receive a whole
+    frame stamped with one clock and holding another's values."""
+    import socket
+
+    from rudra_async.client import Client
+    from rudra_async.wire import MsgType
+
+    send_threads(0)  # the loop writes every frame
+    n = 1_500_000  # 6 MB, updated on the loop (below BACKGROUND_MIN_VALUES)
+    layout = Layout.from_shapes([("w", (n,))])
+    async with run_server(lr=1.0, momentum=0.0, kernel="numpy", idle_timeout=0.5) as ps:
+        b = await Client.connect(ps.addresses[0], layout, np.zeros(n, np.float32))
+        a = await Client.connect(ps.addresses[0], layout)
+        a.conn._transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 18)
+        a.conn._transport.pause_reading()  # A stops reading: most of its reply stays with the server
+        await a.conn.send(MsgType.PULL, {"newer_than": -1})
+        for _ in range(12):  # B keeps the server busy past A's deadline (0.5 s) without updating
+            await b.pull()
+            await asyncio.sleep(0.1)
+        for _ in range(3):  # in place, into the buffer A's reply was sent from
+            await b.push(np.ones(n, np.float32), ps.clock)
+        a.conn._transport.resume_reading()
+        try:
+            frame = await asyncio.wait_for(a.conn.recv(), 10)
+        except (ConnectionError, asyncio.TimeoutError, rudra_errors.RudraError):
+            frame = None  # cut off: what a closed learner should see
+        if frame is not None:
+            values = np.unique(np.frombuffer(frame.body, np.float32))
+            assert frame.meta["timestamp"] == 0 and list(values) == [0.0], f"torn reply: {values[:5]}"
+        await b.close()
+        a.conn.close()

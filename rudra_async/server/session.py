@@ -334,10 +334,13 @@ class Session:
         # A reply sent while its update is computed leases the weights at once. While another
         # learner's request is in progress, whose update would then need a spare buffer and a
         # copy of the weights, the reply waits for the update instead.
-        if not (self.conn.sends_computing(4 * store.layout.size) and core.alone(learner)):
+        computing = self.conn.sends_computing(4 * store.layout.size) and core.alone(learner)
+        if not computing:
             await self.server.updates_computed()
-        with store.lease_computing() as (clock, weights, progress):  # no update in flight, or a gated send
-            await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], progress)
+        with store.lease_computing() as (clock, weights, progress):
+            # after the wait the update is computed (if not yet reaped, its progress is complete)
+            gate = progress if computing else None
+            await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
         core.pulled(learner, clock)
 
     def _weights_meta(self, clock: int) -> dict[str, Any]:

@@ -121,11 +121,18 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._poller.sent()
         transport = self._transport
         assert transport is not None
-        while transport.get_write_buffer_size() > 0:
+        try:
+            while transport.get_write_buffer_size() > 0:
+                self._check_open()
+                self._drained.clear()
+                await self._drained.wait()
             self._check_open()
-            self._drained.clear()
-            await self._drained.wait()
-        self._check_open()
+        except BaseException:
+            # The frame's memory may change once this returns (a lease ends): what the
+            # transport still holds of it must never go out (closing would flush it).
+            if transport.get_write_buffer_size() > 0:
+                transport.abort()
+            raise
 
     def nowait_room(self, body_bytes: int) -> bool:
         """True while nothing waits in the write buffer (the frame goes to the OS at once,
