@@ -227,6 +227,9 @@ class Client:
             raise RudraError("the weights reply does not match the parameter layout")
         if not np.shares_memory(arrays[0], self.weights):
             self.weights[:] = arrays[0]
+        if frame.lent is not None and not frame.lent():
+            frame.release()
+            raise PeerGone("the server closed the connection while its weights were being read (they may mix updates)")
         self.clock = frame.meta["timestamp"]
         frame.release()
         return Weights(self.clock, self.weights, bool(frame.meta.get("stop")))

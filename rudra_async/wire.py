@@ -246,7 +246,12 @@ class Frame:
     frame early: shm's pushes written as they are sent), a function returning how many
     bytes of the body, from its start, are final now (raising
     :class:`~rudra_async.errors.PeerGone` once no more will be); only those may be read.
-    None: the whole body is final."""
+    None: the whole body is final.
+
+    ``lent``: for a body read in place from memory its sender lends only while the
+    connection is open (shm's published weights), a function returning whether it still
+    is: what was read before it returns True is whole; after False it may mix two updates.
+    None: the body is the receiver's own."""
 
     msg_type: int
     meta: dict[str, Any]
@@ -255,6 +260,7 @@ class Frame:
     error: WireError | None = None  # set when the frame was read but is not valid
     _release: Callable[[], None] | None = None
     written: Callable[[], int] | None = None
+    lent: Callable[[], bool] | None = None
 
     @property
     def arrays(self) -> list[np.ndarray]:

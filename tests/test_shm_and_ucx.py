@@ -868,3 +868,28 @@ async def test_a_push_written_after_its_reference_where_not_allowed_is_fatal(cas
         kind, error = await asyncio.to_thread(learn)
         assert kind == MsgType.ERROR and error["code"] == "malformed" and error["fatal"] is True
         assert ps.clock == 0
+
+
+async def test_weights_lent_by_reference_are_never_taken_torn_after_the_server_closed_the_connection():
+    """shm lends its published weights by reference until the learner's RELEASE. If the
+    server closes the connection first (here the reply_not_read deadline: the learner did
+    not read its reply), the memory is the server's again once the socket is closed, and the
+    next update may write it in place. A learner that reads the reference afterwards must
+    not take what it copies as weights (it could mix updates): its pull fails with PeerGone."""
+    n = 100_000  # a body that goes by reference
+    layout = Layout.from_shapes([("w", (n,))])
+    async with run_server(listen=["shm://"], lr=1.0, momentum=0.0, kernel="numpy", idle_timeout=0.5) as ps:
+        b = await Client.connect(ps.addresses[0], layout, np.zeros(n, np.float32))
+        a = await Client.connect(ps.addresses[0], layout)
+        a.conn._transport.pause_reading()  # A's reply (the reference) waits in its socket
+        pulled = asyncio.ensure_future(a.pull())
+        for _ in range(12):  # past A's deadline (0.5 s), without an update
+            await b.pull()
+            await asyncio.sleep(0.1)
+        for _ in range(3):  # in place, into the weights A's reply refers to
+            await b.push(np.ones(n, np.float32), ps.clock)
+        a.conn._transport.resume_reading()
+        with pytest.raises(PeerGone, match="while its weights were being read"):
+            await asyncio.wait_for(pulled, 10)
+        await b.close()
+        await a.close()

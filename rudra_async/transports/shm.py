@@ -395,6 +395,19 @@ def resolve_reference(
     return Frame(frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, give_back)
 
 
+def _lent(ref: list[Any]) -> bool:
+    """Whether a (resolved) reference is to memory lent by its sender (no ticket: see Frame.lent)."""
+    return len(ref) < 5 or ref[4] is None
+
+
+def _not_hung_up(sock: Any) -> bool:
+    """Whether the peer has not closed (or shut down sending on) socket ``sock``, whatever
+    bytes are still queued to be read (POLLRDHUP)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP)
+    return not poller.poll(0)
+
+
 def _names_body(name: Any, offset: Any, ticket: Any) -> bool:
     """Whether a reference's segment name, offset and ticket are well formed (a ticket must
     fit the control block's int64 word)."""
@@ -534,7 +547,13 @@ class ShmConnection(StreamConnection):
             if _PROGRESS in resolved.meta and frame.msg_type != MsgType.HELLO:  # in a HELLO: the flag
                 return self._being_written(resolved, frame.meta[_REF])
             self.bytes_in += resolved.body.nbytes  # the body came through shared memory
+            if _lent(frame.meta[_REF]):
+                resolved.lent = self._still_open
         return resolved
+
+    def _still_open(self) -> bool:
+        transport = self._transport
+        return not self.is_closed and transport is not None and _not_hung_up(transport.get_extra_info("socket"))
 
     def _reads_progress(self) -> bool:
         """Whether this end reads the progress words of pushes written after their reference
@@ -590,9 +609,15 @@ class ShmConnection(StreamConnection):
         return taken
 
     def _end(self) -> None:
-        """Closed or lost: no RELEASE will come, so wake every sender waiting for one."""
+        """Closed or lost: no RELEASE will come, so wake every sender waiting for a segment
+        (those waiting for lent memory wake once the socket is closed: :meth:`connection_lost`)."""
         super()._end()
         self._freed.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The socket is closed, so the peer sees it hung up before anything lent to it can
+        change (see ``Frame.lent``): the memory is ours again."""
+        super().connection_lost(exc)
         for waiter in self._lent.values():
             if not waiter.done():
                 waiter.set_result(None)
@@ -759,6 +784,8 @@ class BlockingShmConnection(BlockingConnection):
             raise resolved
         if _PROGRESS in resolved.meta and resolved.error is None:
             return self._follow(resolved, frame.meta[_REF][0], resolved.meta[_PROGRESS])
+        if resolved.error is None and _lent(frame.meta[_REF]):
+            resolved.lent = lambda: not self.is_closed and _not_hung_up(self._sock)
         return resolved
 
     def _follow(self, frame: Frame, name: str, at: Any) -> Frame:
@@ -787,6 +814,9 @@ class BlockingShmConnection(BlockingConnection):
                     done = final
                 else:
                     gone = self._hung_up(PROGRESS_POLL_S)
+            if not _not_hung_up(self._sock):  # the lease may have ended during the copy (Frame.lent)
+                self._lost = PeerGone("the server went away while its weights were being copied")
+                raise self._lost
         finally:
             del word
             frame.release()
