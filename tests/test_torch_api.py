@@ -278,3 +278,55 @@ def test_a_model_on_the_gpu_trains_like_torch_sgd_on_the_gpu(overlap):
         assert ps.clock == STEPS
         if overlap:
             assert ps.stats()["staleness_histogram"] == {"0": 1, "1": STEPS - 1}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_learner_with_reconnect_trains_on_after_the_server_restarts(overlap):
+    """The server restarts on the same port without a checkpoint (clock 0). A learner with
+    ``reconnect`` loses the gradient computed on the lost server's weights and trains on
+    from the new server's: with overlap it must not push that gradient, stamped with the
+    old clock (refused as bad_timestamp, which ended the learner)."""
+    from helpers import free_port
+
+    port = free_port()
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with server_thread(listen=[f"tcp://127.0.0.1:{port}"], lr=0.1, kernel="numpy") as first:
+        opt = rt.DistributedOptimizer(model, f"tcp://127.0.0.1:{port}", reconnect=20, overlap=overlap)
+        for _ in range(6):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            assert opt.step(samples=8)
+        if opt._pending is not None:
+            opt._pending.result()
+        assert first.clock == 6
+    try:
+        with server_thread(listen=[f"tcp://127.0.0.1:{port}"], lr=0.1, kernel="numpy") as second:
+            for _ in range(4):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                assert opt.step(samples=8)
+            assert opt.reconnects == 1
+            opt.close()
+            # lost: the gradient in flight when the server went, and with overlap also the one
+            # computed on the lost server's weights while that exchange reconnected
+            assert second.clock == (2 if overlap else 3)
+            np.testing.assert_array_equal(params_of(model)[0], second.weights()["weight"])
+    finally:
+        opt.close()
+
+
+def test_closing_an_overlapping_learner_leaves_the_model_on_the_newest_weights():
+    """With overlap the last exchange is still in flight when the loop ends: close() waits
+    for it and gives its weights to the model, so the model equals the server's weights."""
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with server_thread(lr=0.1, kernel="numpy") as ps:
+        opt = rt.DistributedOptimizer(model, ps.addresses[0], overlap=True)
+        for _ in range(5):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step(samples=8)
+        opt.close()
+        assert ps.clock == 5 and opt.timestamp == 5
+        np.testing.assert_array_equal(params_of(model)[0], ps.weights()["weight"])

@@ -126,6 +126,7 @@ class DistributedOptimizer:
         # All client calls run in one thread: this one, or the background one when overlapping.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "rudra-exchange") if overlap else None
         self._pending: concurrent.futures.Future[Weights] | None = None
+        self._reconnects_sent = 0  # self.reconnects when the pending exchange was started
         cpu_overlap = overlap and self.flat.on_cpu
         self._spare = torch.empty_like(self.flat.weights) if cpu_overlap else None  # the other weights buffer
         try:
@@ -177,6 +178,12 @@ class DistributedOptimizer:
         received = self._pending.result() if self._pending is not None else None
         self._pending = None
         grads = self.flat.gradients()  # the previous exchange is over: the staging buffers are free
+        if received is not None and self.reconnects != self._reconnects_sent:
+            # That exchange reached a new server (restarted, or resumed at an earlier clock): this
+            # gradient was computed on the lost server's weights and is lost with it, as the one
+            # in flight was; the model goes on from the new weights, as on the first step.
+            self._take_new_weights(received)
+            return not self.stopped
         receive_into = self.flat.host_weights
         if self._spare is not None:  # CPU: swap the model onto the spare weights
             sent_weights, spare_weights = self.flat.weights, self._spare
@@ -190,8 +197,18 @@ class DistributedOptimizer:
             self._arrived(received, wait=True)  # the next exchange reuses the host staging
             if self.stopped:
                 return False
+        self._reconnects_sent = self.reconnects
         self._pending = self._worker.submit(self._send_from, grads, receive_into, stamp, step, samples, loss)
         return True
+
+    def _take_new_weights(self, received: Weights) -> None:
+        """Overlap: give the model the weights an exchange brought (on the CPU they are in the
+        spare buffer), with no exchange started."""
+        if self._spare is not None:
+            self.flat.release_gradients()
+            received_into, self._spare = self._spare, self.flat.weights
+            self.flat.bind(received_into)
+        self._arrived(received, wait=True)
 
     def _send_from(
         self, grads: Gradient, weights_in: np.ndarray, stamp: Stamp, step: int, samples: int, loss: float | None
@@ -242,7 +259,9 @@ class DistributedOptimizer:
         """Finish an exchange in flight, say bye and close. Idempotent."""
         if self._pending is not None:
             try:
-                self._pending.result()
+                last = self._pending.result()
+                if not last.stop:  # weights came (a push refused because the run is over brings none)
+                    self._take_new_weights(last)  # the model ends on the newest weights
             except Exception as exc:  # the last exchange failed; closing goes on
                 log.warning("the last exchange failed while closing: %s", exc)
             self._pending = None
