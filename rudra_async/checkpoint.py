@@ -198,11 +198,12 @@ def _fsync_directory(directory: str) -> None:
             os.close(fd)
 
 
-def shard_path(path: str | None, shard: Shard) -> str | None:
+def shard_path(path: str | None, shard: Shard, *, required: bool = True) -> str | None:
     """The checkpoint path of one shard of a group: ``{shard}`` in ``path`` becomes its index
-    (a group of several shards must have it, or they would all write one file)."""
+    (with ``required``, a group of several shards must have it, or they would all write one
+    file; a server started alone with ``--shard`` may be given its own path instead)."""
     if not path:
         return None
-    if shard.count > 1 and "{shard}" not in path:
+    if required and shard.count > 1 and "{shard}" not in path:
         raise ConfigError("with several shard servers, put {shard} in --checkpoint (each shard writes its own file)")
     return path.replace("{shard}", str(shard.index))

@@ -253,7 +253,7 @@ def test_a_shard_applies_the_part_of_each_group_it_holds():
 
 
 def test_an_update_that_would_overflow_is_skipped_and_the_clock_still_advances():
-    core = ServerCore(ServerConfig(kernel="numpy", lr=0.5, momentum=0.9))
+    core = ServerCore(ServerConfig(kernel="numpy", lr=0.5, momentum=0.9, lr_policy="mean-staleness"))
     learner = hello(core)
     huge = np.full(LAYOUT.size, 3e38, np.float32)  # finite; v = 0.9·v + g overflows on the second push
     assert push(core, learner, huge).outcome == "applied"
@@ -265,8 +265,10 @@ def test_an_update_that_would_overflow_is_skipped_and_the_clock_still_advances()
     np.testing.assert_array_equal(core.store.weights, weights)
     np.testing.assert_array_equal(core.store.updater.momentum, momentum)
     assert core.rejected["update_not_finite"] == 1 and core.stats()["gradients"] == 1
+    assert core.lr_policy.state()["count"] == 1  # mean-staleness observes applied gradients only
     ok = push(core, learner, np.zeros(LAYOUT.size, np.float32))  # the model is usable afterwards
     assert ok.outcome == "applied" and np.isfinite(core.store.weights).all()
+    assert core.lr_policy.state()["count"] == 2
 
 
 def test_the_gradient_norm_bound_refuses_before_anything_changes():

@@ -150,10 +150,11 @@ def test_sharded_processes_train_checkpoint_and_evaluate(tmp_path):
     ports = [free_port(), free_port()]
     url = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
     ckpts = [tmp_path / f"shard{i}.ckpt" for i in range(2)]
+    template = str(tmp_path / "shard{shard}.ckpt")  # one command line for both, as the --checkpoint help says
     servers, learners = [], []
     try:
         servers = [
-            start_server(ports[i], "--shard", f"{i}/2", "--max-updates", "300", "--checkpoint", str(ckpts[i]))
+            start_server(ports[i], "--shard", f"{i}/2", "--max-updates", "300", "--checkpoint", template)
             for i in range(2)
         ]
         learners = [start_cli("learner", "--connect", url, "--index", str(i), "--json") for i in range(2)]

@@ -648,6 +648,7 @@ class ServerCore:
         cfg = self.config
         clock, c = store.clock, len(batch)
         sigmas = [clock - g.stamp for g in batch]
+        observed_before = self.lr_policy.state()  # restored if the update is not applied
         for s in sigmas:
             self.lr_policy.observe(s)
         pendings: list[PendingGradient] = [g.payload for g in batch]
@@ -668,6 +669,7 @@ class ServerCore:
         else:
             message = f"the update at clock {clock} would make weights or momentum overflow; it was not applied"
             log.warning("%s (gradients of learners %s)", message, sorted({p.learner_id for p in pendings}))
+            self.lr_policy.load_state(observed_before)  # its gradients are dropped: never observed
             for p in pendings:
                 self.reject("update_not_finite")
                 p.refuse("update_not_finite", message)

@@ -75,7 +75,9 @@ class ParameterServer:
         self._check_exposure()
         self.limits = Limits(max_body=cfg.max_frame)
         self.max_connections = cfg.max_connections
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_every, self.checkpoint)
+        #: where checkpoints go: ``--checkpoint`` with ``{shard}`` made this shard's index
+        self.checkpoint_path = checkpoint.shard_path(cfg.checkpoint, cfg.shard, required=False)
+        self.checkpointer = Checkpointer(self.checkpoint_path, cfg.checkpoint_every, self.checkpoint)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background = Background(self._wake)  # validates and applies large gradients off the loop
         self.core = ServerCore(
@@ -243,7 +245,7 @@ class ParameterServer:
         The published weights are leased while the file is written in a thread (updates go on
         into a spare buffer), so only the momentum is copied."""
         store = self.core.store
-        target = path or self.config.checkpoint
+        target = path or self.checkpoint_path
         if store is None or self._store_closed:
             raise RudraError("the server has no weights to checkpoint", code="no_weights")
         if not target:
