@@ -323,6 +323,47 @@ def test_a_hung_learner_is_evicted_from_the_round_and_rejoins():
     core.idle(b)
 
 
+@pytest.mark.parametrize("protocol, options", [("softsync", {"n": 1}), ("bounded", {"staleness_bound": 1})])
+def test_an_evicted_learners_late_gradient_is_dropped_under_every_protocol_that_evicts(protocol, options):
+    """Not only hardsync: a learner evicted while it computed on θ_0 comes back with that
+    gradient after the others moved the clock on; it is answered dropped (under bounded it
+    would break the bound: σ = 3 > s = 1), and its next gradient, on new weights, counts."""
+    now = [0.0]
+    cfg = ServerConfig(kernel="numpy", protocol=protocol, momentum=0.0, **options)
+    core = ServerCore(cfg, now=lambda: now[0])
+    a, b = hello(core), hello(core, initial=None)
+    g = np.ones(LAYOUT.size, np.float32)
+
+    def pull(learner):
+        core.active(learner)
+        core.pulled(learner, core.clock)
+        core.idle(learner)
+
+    pull(a)
+    pull(b)
+    now[0] = 11.0
+    core.active(a)
+    push(core, a, g)  # softsync: pending until b's; bounded: applied
+    assert core.evict_hung(now[0], 10.0) == [b]
+    core.idle(a)
+    while core.clock < 3:
+        pull(a)
+        core.active(a)
+        assert push(core, a, g).outcome == "applied"
+        core.idle(a)
+    core.active(b)  # b is back, with the gradient it computed on θ_0
+    late = push(core, b, g, timestamp=0)
+    assert late.outcome == "dropped" and b.dropped == 1 and core.clock == 3
+    core.idle(b)
+    pull(b)
+    core.active(b)
+    fresh = push(core, b, g)
+    core.active(a)
+    push(core, a, g)  # softsync's update needs two gradients again
+    assert fresh.outcome == "applied" and core.clock >= 4
+    assert max(int(s) for s in core.stats()["staleness_histogram"]) <= (1 if protocol == "bounded" else 3)
+
+
 def test_async_never_evicts():
     core = ServerCore(ServerConfig(kernel="numpy"))
     hello(core)

@@ -64,6 +64,7 @@ class LearnerInfo:
     writing: bool = False  # its push in hand is still being written (shm): not yet in progress
     last_active: float = 0.0  # when a request of it last arrived or was answered
     evicted: bool = False  # out of the protocol (hung: --learner-timeout) until it shows up again
+    rejoined_at: int | None = None  # the clock it rejoined at after an eviction, until it pushes on newer weights
     evictions: int = 0
     staleness_sum: int = 0
     slow: bool = False  # idle for too long (see ServerCore.newly_slow) until its next request
@@ -387,7 +388,7 @@ class ServerCore:
     def _rejoin(self, learner: LearnerInfo) -> None:
         """An evicted learner that shows up again rejoins the protocol as a newcomer."""
         if learner.evicted and learner.connected:
-            learner.evicted = False
+            learner.evicted, learner.rejoined_at = False, self.clock
             log.warning(
                 "learner %d (%s) is back and rejoins", learner.learner_id, learner.name, extra=learner_extra(learner)
             )
@@ -495,7 +496,12 @@ class ServerCore:
         if loss is not None and math.isfinite(loss) and len(self.losses) < MAX_LOSSES:
             self.losses.append((self.clock, float(loss)))
         pending = PendingGradient(learner.learner_id, frame.take(), grad, fields["samples"], size.max_abs)
-        decision = self.protocol.push(Gradient(learner.learner_id, fields["timestamp"], pending))
+        gradient = Gradient(learner.learner_id, fields["timestamp"], pending)
+        if learner.rejoined_at is not None and gradient.stamp < learner.rejoined_at:
+            decision = Decision(dropped=[gradient])  # computed before it was evicted: late, whatever the protocol
+        else:
+            learner.rejoined_at = None
+            decision = self.protocol.push(gradient)
         pending.wait_applied = decision.wait_applied
         self._decide(decision)
         return pending
