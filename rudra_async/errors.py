@@ -29,6 +29,17 @@ __all__ = [
 ]
 
 
+#: characters of peer input an error message quotes (it goes into a log line and an ERROR reply)
+QUOTED_MAX = 80
+
+
+def quoted(value: Any) -> str:
+    """``repr(value)``, cut to :data:`QUOTED_MAX` characters: how an error message quotes
+    what a peer sent (which may be megabytes)."""
+    shown = repr(value)
+    return shown if len(shown) <= QUOTED_MAX else shown[: QUOTED_MAX - 3] + "..."
+
+
 class RudraError(Exception):
     """Base of every error raised by rudra-async."""
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError, RequestError
+from .errors import ConfigError, RequestError, quoted
 
 __all__ = [
     "Layout",
@@ -82,7 +82,7 @@ class Layout:
             )
             if not ok:
                 raise RequestError(
-                    f"bad layout entry {item!r}; expected [name, shape], at most {MAX_TENSOR_DIMS} sizes >= 0",
+                    f"bad layout entry {quoted(item)}; expected [name, shape], at most {MAX_TENSOR_DIMS} sizes >= 0",
                     code="bad_layout",
                 )
             items.append((item[0], tuple(item[1])))
@@ -125,7 +125,7 @@ class Shard:
             return cls(index, count)
         except (TypeError, ValueError, ConfigError):
             raise RequestError(
-                f"shard must be [index, count] with 0 <= index < count, got {raw!r}", code="bad_request"
+                f"shard must be [index, count] with 0 <= index < count, got {quoted(raw)}", code="bad_request"
             ) from None
 
     def range(self, size: int) -> tuple[int, int]:

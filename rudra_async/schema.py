@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import RequestError
+from .errors import RequestError, quoted
 from .security import NONCE_BYTES
 from .wire import MAX_DIMS, MsgType, is_int
 
@@ -192,10 +192,9 @@ FIELDS: dict[MsgType, tuple[Field, ...]] = {
 
 
 def _bad(field: Field, value: Any) -> RequestError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return RequestError(f"field {field.name!r} must be {field.describe_type()}, got {shown}", code="bad_request")
+    return RequestError(
+        f"field {field.name!r} must be {field.describe_type()}, got {quoted(value)}", code="bad_request"
+    )
 
 
 def _check_value(field: Field, value: Any) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from .errors import BadMagic, BadVersion, FrameTooLarge, MalformedFrame, WireError
+from .errors import BadMagic, BadVersion, FrameTooLarge, MalformedFrame, WireError, quoted
 from .layout import MAX_TENSOR_DIMS
 
 __all__ = [
@@ -159,18 +159,18 @@ def parse_segments(meta: dict[str, Any], body_len: int) -> list[SegmentSpec]:
     total = 0
     for item in raw:
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)):
-            raise MalformedFrame(f"bad segment descriptor {item!r}; expected [dtype, shape]")
+            raise MalformedFrame(f"bad segment descriptor {quoted(item)}; expected [dtype, shape]")
         dtype_str, shape = item
         if dtype_str not in ALLOWED_DTYPES:
-            raise MalformedFrame(f"segment dtype {dtype_str!r} not allowed")
+            raise MalformedFrame(f"segment dtype {quoted(dtype_str)} not allowed")
         if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise MalformedFrame(f"bad segment shape {shape!r}: at most {MAX_DIMS} integers >= 0")
+            raise MalformedFrame(f"bad segment shape {quoted(shape)}: at most {MAX_DIMS} integers >= 0")
         spec = SegmentSpec(_DTYPES[dtype_str], tuple(shape))
         extent = spec.dtype.itemsize
         for d in shape:
             extent *= max(d, 1)
         if extent > _MAX_ELEMENTS_BYTES:  # numpy cannot even describe an empty array of this shape
-            raise MalformedFrame(f"segment shape {shape!r} is too large")
+            raise MalformedFrame(f"segment shape {quoted(shape)} is too large")
         total += spec.nbytes
         if total > body_len:
             break

@@ -225,3 +225,29 @@ async def test_a_resumed_server_says_so_in_its_welcome(tmp_path):
         client = await Client.connect(ps.addresses[0], LAYOUT, initial_weights(LAYOUT), timeout=5)
         assert client.resumed_from is None
         await client.close()
+
+
+@pytest.mark.parametrize("secret, first", [("x" * 32, "auth"), (None, "pull")])
+async def test_the_handshake_deadline_holds_from_accept_to_hello_whatever_comes_first(secret, first):
+    """A peer that sends one frame of the handshake (an AUTH; without a secret, a request
+    refused as not registered) and then nothing is closed once --handshake-timeout has passed
+    since it connected, like a silent one: a frame must not switch the deadline off."""
+    import os
+    import time
+
+    from rudra_async.wire import MsgType, encode_frame
+
+    async with run_server(secret=secret, handshake_timeout=0.5) as ps:
+        host, port = ps.addresses[0].removeprefix("tcp://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            start = time.monotonic()
+            msg_type, meta = (MsgType.AUTH, {"nonce": os.urandom(32)}) if first == "auth" else (MsgType.PULL, {})
+            writer.write(b"".join(bytes(p) for p in encode_frame(msg_type, meta)))
+            await writer.drain()
+            while await asyncio.wait_for(reader.read(1 << 16), 5):  # the reply, then the end
+                pass
+            assert time.monotonic() - start < 3
+            assert ps.stats()["rejected"].get("handshake_timeout") == 1
+        finally:
+            writer.close()

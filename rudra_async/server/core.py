@@ -27,7 +27,7 @@ import numpy as np
 from .. import __version__, kernels, registry, schema
 from ..checkpoint import Checkpoint
 from ..config import ServerConfig
-from ..errors import CheckpointError, ConfigError, RequestError, RudraError
+from ..errors import CheckpointError, ConfigError, RequestError, RudraError, quoted
 from ..kernels import SGD, Group, max_abs
 from ..layout import Layout, Shard
 from ..logs import rate_limited
@@ -452,7 +452,9 @@ class ServerCore:
         store = self._need_store()
         fields = schema.check(MsgType.PUSH, meta)
         if fields.get("learner_id", learner.learner_id) != learner.learner_id:
-            raise RequestError(f"learner id {fields['learner_id']!r} is not this connection's", code="bad_request")
+            raise RequestError(
+                f"learner id {quoted(fields['learner_id'])} is not this connection's", code="bad_request"
+            )
         stamp = fields["timestamp"]
         if not 0 <= stamp <= store.clock:
             raise RequestError(f"timestamp {stamp} is outside [0, {store.clock}]", code="bad_timestamp")

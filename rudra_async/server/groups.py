@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import RequestError, quoted
 from ..kernels import SGD, Group
 from ..layout import Layout
 
@@ -47,14 +47,14 @@ def parse_groups(raw: Any, layout: Layout) -> tuple[ParamGroup, ...]:
     groups = []
     for item in raw:
         if not (isinstance(item, list) and len(item) == 3):
-            raise bad(f"bad entry {item!r}; expected [tensors, lr, weight_decay]")
+            raise bad(f"bad entry {quoted(item)}; expected [tensors, lr, weight_decay]")
         tensors, lr, decay = item
         if not isinstance(tensors, int) or isinstance(tensors, bool) or tensors < 1:
-            raise bad(f"tensors must be an integer >= 1, got {tensors!r}")
+            raise bad(f"tensors must be an integer >= 1, got {quoted(tensors)}")
         if not _number(lr) or not lr > 0:
-            raise bad(f"lr must be a finite number > 0, got {lr!r}")
+            raise bad(f"lr must be a finite number > 0, got {quoted(lr)}")
         if not _number(decay) or decay < 0:
-            raise bad(f"weight_decay must be a finite number >= 0, got {decay!r}")
+            raise bad(f"weight_decay must be a finite number >= 0, got {quoted(decay)}")
         groups.append(ParamGroup(tensors, float(lr), float(decay)))
     if sum(g.tensors for g in groups) != len(layout.tensors):
         raise bad(f"cover {sum(g.tensors for g in groups)} tensors; the layout has {len(layout.tensors)}")

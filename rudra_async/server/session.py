@@ -49,6 +49,10 @@ EXPRESS_MAX_VALUES = 1 << 16
 AUTH_REQUIRED = "this server requires authentication (a shared secret) before any other message"
 
 
+#: characters of an ERROR reply's message at most (docs/wire.md)
+MESSAGE_MAX = 1000
+
+
 class State(enum.Enum):
     AUTHENTICATING = "authenticating"
     CHALLENGED = "challenged"
@@ -126,7 +130,8 @@ class Session:
                     return
                 finally:
                     self.conn.express = None
-                self.deadline = None
+                if self.state is State.READY:  # the handshake's deadline stays, from accept to hello
+                    self.deadline = None
                 learner = self.learner
                 if learner is not None:
                     self.core.active(learner)
@@ -383,6 +388,8 @@ class Session:
     async def _refuse(self, code: str, message: str, *, fatal: bool, seq: Any) -> None:
         """Count, log and answer a refused request; a fatal refusal ends the session."""
         who = f"learner {self.learner.learner_id}" if self.learner else "unregistered peer"
+        if len(message) > MESSAGE_MAX:  # it fits in an ERROR frame and a log line, whatever it quotes
+            message = message[: MESSAGE_MAX - 3] + "..."
         self.server.refused(code, f"input from {self.conn.peer} ({who}): {message}")
         meta: dict[str, Any] = {"code": code, "message": message, "fatal": fatal}
         if seq is not None:

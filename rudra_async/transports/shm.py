@@ -55,7 +55,16 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectError, ConnectionClosed, FrameTooLarge, MalformedFrame, PeerGone, WireError
+from ..errors import (
+    ConfigError,
+    ConnectError,
+    ConnectionClosed,
+    FrameTooLarge,
+    MalformedFrame,
+    PeerGone,
+    WireError,
+    quoted,
+)
 from ..wire import Frame, Header, Limits, MsgType, encode_frame, is_int, parse_segments, spec_of
 from . import offload
 from .base import OnAccept, OnConnection, SharedMemory, Transport
@@ -374,7 +383,7 @@ def resolve_reference(
             except WireError as exc:
                 return exc
         if not (_names_body(name, offset, ticket) and is_int(nbytes) and nbytes > 0 and len(rest) <= 2):
-            raise MalformedFrame(f"bad shared-memory reference {ref!r}")
+            raise MalformedFrame(f"bad shared-memory reference {quoted(ref)}")
         meta["seg"] = specs
         parsed = parse_segments(meta, nbytes)
         shm = attached.get(name)
