@@ -23,6 +23,7 @@ from .errors import (
     RequestError,
     RudraError,
     TransportError,
+    UpdateFailed,
     WireError,
 )
 
@@ -46,6 +47,7 @@ __all__ = [  # noqa: RUF022 (grouped: the entry points, then the errors)
     "RemoteError",
     "CheckpointError",
     "LearnerError",
+    "UpdateFailed",
 ]
 
 #: lazily imported names -> the module that defines them

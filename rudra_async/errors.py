@@ -25,6 +25,7 @@ __all__ = [
     "RequestError",
     "RudraError",
     "TransportError",
+    "UpdateFailed",
     "WireError",
 ]
 
@@ -132,6 +133,13 @@ class CheckpointError(RudraError):
     """A checkpoint cannot be written, or a file is not a complete, intact checkpoint."""
 
     code = "bad_checkpoint"
+
+
+class UpdateFailed(RudraError):
+    """Computing an update of the weights raised (a kernel's error, memory exhausted): the
+    weights are undefined from then on, so the server stops and writes no checkpoint of them."""
+
+    code = "update_failed"
 
 
 class LearnerError(RudraError):

@@ -315,8 +315,18 @@ def test_the_progress_of_a_failed_update_raises_for_its_readers(off_loop):
     ws.apply([np.ones(N, np.float32)], [1.0], STEPS)
     with ws.lease_computing() as (_, _, progress), pytest.raises(RuntimeError, match=r"update .* failed.*no room"):
         progress.wait(4 * N, 10)
-    with pytest.raises(MemoryError):
+    with pytest.raises(rudra_errors.UpdateFailed, match="no room") as failed:
         ws.finish()
+    assert isinstance(failed.value.__cause__, MemoryError) and ws.failure is failed.value
+
+    def lease():
+        with ws.lease():
+            pass
+
+    for later in (ws.finish, lease, lambda: ws.apply([np.ones(N, np.float32)], [1.0], STEPS)):
+        with pytest.raises(rudra_errors.UpdateFailed):  # the weights are undefined: nothing reads or updates them
+            later()
+    assert ws.clock == 1
     ws.close()
     background.close()
 
@@ -449,3 +459,47 @@ async def test_a_reply_cut_off_by_the_deadline_never_reaches_the_learner_with_a_
             assert frame.meta["timestamp"] == 0 and list(values) == [0.0], f"torn reply: {values[:5]}"
         await b.close()
         a.conn.close()
+
+
+@pytest.mark.parametrize("thread", ["update thread", "event loop"])
+async def test_an_update_that_fails_stops_the_server_and_writes_no_checkpoint_of_its_weights(
+    thread, tmp_path, monkeypatch, caplog
+):
+    """An update that raises (a kernel's error, memory exhausted), on the update thread or
+    inline on the event loop (a small model), leaves the weights undefined: the server stops by itself (serve() raises UpdateFailed, learners
+    are cut off, nothing reads or updates the weights again), and the final checkpoint is not
+    written over the last good one."""
+    from rudra_async.client import Client
+
+    if thread == "update thread":
+        monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+    path = tmp_path / "run.ckpt"
+    with pytest.raises(rudra_errors.UpdateFailed, match="out of memory"):  # from serve(), awaited by run_server
+        async with run_server(momentum=0.0, checkpoint=str(path), checkpoint_every=2) as ps:
+            client = await Client.connect(ps.addresses[0], LAYOUT, np.zeros(N, np.float32), timeout=5)
+            w = await client.pull()
+            for _ in range(2):
+                w = await client.push_pull(np.ones(N, np.float32), w.timestamp)
+            await ps.checkpointer.settled()
+            good = path.read_bytes()
+
+            def out_of_memory(*args, **kwargs):
+                raise MemoryError("the kernel ran out of memory")
+
+            assert ps.core.store.updates_inline is (thread == "event loop")
+            monkeypatch.setattr(ps.core.store.updater, "apply", out_of_memory)
+            with pytest.raises((rudra_errors.PeerGone, rudra_errors.ConnectionClosed)):
+                for _ in range(3):
+                    w = await client.push_pull(np.ones(N, np.float32), w.timestamp)
+            for _ in range(100):
+                if ps.closing:
+                    break
+                await asyncio.sleep(0.05)
+            assert ps.closing
+            assert isinstance(ps.failure, rudra_errors.UpdateFailed)
+            with pytest.raises(rudra_errors.UpdateFailed):
+                ps.weights()
+            await client.close()
+    assert path.read_bytes() == good
+    assert "the update failed; stopping the server" in caplog.text
+    assert "the final checkpoint is not written" in caplog.text

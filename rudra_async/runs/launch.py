@@ -146,6 +146,8 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
                 await asyncio.sleep(0.1)
         finally:
             _unpublish(path)
+        if ps.failure is not None:
+            raise ps.failure
     return ps.stats()
 
 

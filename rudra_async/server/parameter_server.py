@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import checkpoint, security, transports
 from ..config import ServerConfig
-from ..errors import ConfigError, PeerGone, RudraError
+from ..errors import ConfigError, PeerGone, RudraError, UpdateFailed
 from ..logs import rate_limited
 from ..transports.base import Connection, Listener, SharedMemory
 from ..wire import Frame, Limits
@@ -103,6 +103,8 @@ class ParameterServer:
         self._watchdog: asyncio.Task[None] | None = None
         self.traffic = Traffic()
         self.monitor: Monitor | None = None  # serving --metrics, once started
+        #: why the server stopped by itself: an update failed (serve() raises it)
+        self.failure: UpdateFailed | None = None
 
     def _check_exposure(self) -> None:
         """Refuse to serve other hosts without a secret (unless ``insecure``); warn about
@@ -146,11 +148,14 @@ class ParameterServer:
         log.info("parameter server listening on %s (%s)", ", ".join(self.addresses), self.core.protocol.describe())
 
     async def serve(self) -> None:
-        """Run until :meth:`close` is called (starts the server if needed)."""
+        """Run until :meth:`close` is called (starts the server if needed), or until an update
+        fails: then it raises :class:`UpdateFailed` (the owner still closes the server)."""
         if self._closed is None:
             await self.start()
         assert self._closed is not None
         await self._closed.wait()
+        if self.failure is not None:
+            raise self.failure
 
     def request_close(self) -> None:
         """Make :meth:`serve` return (e.g. from a signal handler); the owner then awaits :meth:`close`."""
@@ -180,8 +185,12 @@ class ParameterServer:
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
+        store = self.core.store
         try:
-            await self.checkpointer.final(self.core.clock if self.core.store is not None else None)
+            if self.failure is None:
+                await self.checkpointer.final(self.core.clock if store is not None else None)
+            elif self.checkpoint_path:
+                log.error("the final checkpoint is not written: the weights are undefined (%s)", self.failure)
         finally:
             self._store_closed = True
             self.core.close()
@@ -312,8 +321,18 @@ class ParameterServer:
         if store is not None and not self._store_closed:
             try:
                 store.reap()
-            except Exception:
-                log.exception("the update failed")
+            except UpdateFailed:
+                pass
+            self._check_store()
+
+    def _check_store(self) -> None:
+        """Stop the server if an update failed (whoever met the failure first)."""
+        store = self.core.store
+        if store is None or store.failure is None or self.failure is not None:
+            return
+        self.failure = store.failure
+        log.critical("the update failed; stopping the server", exc_info=store.failure)
+        self.request_close()
 
     # -- waiting ------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -422,8 +441,11 @@ class ParameterServer:
         try:
             with self.traffic.track(scheme, conn):
                 await session.run()
+        except UpdateFailed:  # the server stops: _check_store says why, once
+            pass
         finally:
             self._forget(session)
+            self._check_store()
 
     async def _watch(self) -> None:
         """Enforce the deadlines: close connections past theirs, evict hung learners; warn

@@ -23,11 +23,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
 
+from ..errors import UpdateFailed
 from ..kernels import Steps, Updater, make_updater
 from ..layout import Layout
 
@@ -141,6 +142,8 @@ class WeightStore:
         self._in_flight: Future[None] | None = None  # the update being computed in the background
         self._progress: Progress | None = None  # how much of its output is final
         self._after: list[Callable[[], None]] = []  # to call once it is computed
+        #: set once an update raised: the weights are undefined, and every later read or update raises it
+        self.failure: UpdateFailed | None = None
 
     @property
     def updates_inline(self) -> bool:
@@ -179,6 +182,7 @@ class WeightStore:
     @contextlib.contextmanager
     def _hold(self) -> Iterator[np.ndarray]:
         """The current buffer, which no update writes into while it is held (but the one in flight)."""
+        self._usable()
         buf, key = self._current, id(self._current)
         self._leases[key] = self._leases.get(key, 0) + 1
         try:
@@ -213,7 +217,7 @@ class WeightStore:
             self._current = dst
             self.clock += 1
             if self._background is None:
-                self._compute(src, dst, grads, scales, steps)
+                self._failing(self._compute, src, dst, grads, scales, steps)
                 _call_all(after)
             else:
                 background, self._after = self._background, list(after)
@@ -224,7 +228,7 @@ class WeightStore:
         saved = self.updater.momentum
         dst = self._spare()
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is what the check is for
-            self._compute(src, dst, grads, scales, steps)
+            self._failing(self._compute, src, dst, grads, scales, steps)
         _call_all(after)
         self.clock += 1
         if np.isfinite(dst).all() and np.isfinite(self.updater.momentum).all():
@@ -249,6 +253,7 @@ class WeightStore:
         backend can), advancing it after each piece; it ends complete or failed."""
         t0 = time.perf_counter()
         updater, size = self.updater, self.layout.size
+        copies = None
         try:
             if progress is None or not updater.partial:
                 updater.apply(src, dst, grads, scales, steps)
@@ -262,6 +267,10 @@ class WeightStore:
                     updater.apply(src if copies is None else dst, dst, grads, scales, steps, span=(lo, hi))
                     progress.advance(4 * hi)
         except BaseException as exc:
+            if copies is not None:  # none may write into dst once this has failed
+                for copy in copies:
+                    copy.cancel()
+                wait(copies)
             if progress is not None:
                 progress.fail(exc)
             raise
@@ -280,15 +289,29 @@ class WeightStore:
 
     def finish(self) -> None:
         """Wait until the background update, if any, is computed, and call its ``after``
-        callbacks (an error of the update is raised here)."""
+        callbacks (an error of the update is raised here, as :class:`UpdateFailed`, and by
+        every later call)."""
+        self._usable()
         job, self._in_flight, self._progress = self._in_flight, None, None
         if job is None:
             return
         after, self._after = self._after, []
         try:
-            job.result()
+            self._failing(job.result)
         finally:
             _call_all(after)
+
+    def _failing(self, compute: Callable[..., Any], *args: Any) -> None:
+        """``compute(*args)``; if it raises, the store has failed (:attr:`failure`)."""
+        try:
+            compute(*args)
+        except Exception as exc:
+            self.failure = UpdateFailed(f"the update to clock {self.clock} failed, the weights are undefined: {exc!r}")
+            raise self.failure from exc
+
+    def _usable(self) -> None:
+        if self.failure is not None:
+            raise self.failure
 
     def reap(self) -> None:
         """:meth:`finish` if the background update is computed already (never waits)."""
@@ -304,8 +327,10 @@ class WeightStore:
         return buf
 
     def close(self) -> None:
-        """Give the buffers back to their allocator (views stay readable). Idempotent."""
-        self.finish()
+        """Give the buffers back to their allocator (views stay readable). Idempotent; after
+        a failed update too."""
+        with contextlib.suppress(UpdateFailed):
+            self.finish()
         if self._free is not None:
             for buf in self._buffers:
                 self._free(buf)
