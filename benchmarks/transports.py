@@ -147,7 +147,7 @@ def memcpy_round_trips(nbytes: int, reps: int) -> list[float]:
 def _copy_on_request(nbytes: int, names: tuple[str, str], pipe) -> None:
     """The echo's copy of the two-process baseline: on each request, copy segment 1 into
     segment 2 and answer with the seconds it took."""
-    segments = [_Attached(name) for name in names]  # as the transport attaches: no resource tracker
+    segments = [_Attached(name, os.getuid()) for name in names]  # as the transport attaches: no resource tracker
     src, dst = (np.frombuffer(s.buf, np.uint8, nbytes) for s in segments)
     while pipe.recv():
         t = time.perf_counter()
@@ -251,7 +251,7 @@ def _echo_counter(name: str, cpu: int | None) -> None:
     """The peer of :func:`counter_ping_pong`: copy word 0 into word 1 each time it changes;
     stop at -1, or after 10 s without a change."""
     _pin(cpu)
-    shm = _Attached(name)
+    shm = _Attached(name, os.getuid())
     words = np.frombuffer(shm.buf, np.int64, 2)
     seen, since = 0, time.monotonic()
     while seen >= 0 and time.monotonic() - since < 10:

@@ -20,7 +20,7 @@ from helpers import CLI_ARGS, reap, run_cli, run_server, sgd_reference, subproce
 
 from rudra_async import transports
 from rudra_async.client import Client, SyncClient
-from rudra_async.errors import PeerGone, RemoteError
+from rudra_async.errors import PeerGone, RemoteError, UpdateFailed
 from rudra_async.eventloop import run_sync
 from rudra_async.kernels import SGD, numpy_kernel
 from rudra_async.layout import Layout
@@ -505,23 +505,24 @@ async def test_a_blocking_learner_over_shm_copies_the_weights_as_they_are_comput
 
 async def test_a_learner_copying_weights_being_computed_learns_when_the_update_fails(monkeypatch):
     """The update fails halfway: the progress word says -1 and the learner raises PeerGone
-    (it does not wait for bytes that will never be final)."""
+    (it does not wait for bytes that will never be final); the server stops (UpdateFailed)."""
     pieces = slow_pieces(monkeypatch, fail_at=15)  # the second update's fifth piece
     monkeypatch.setattr(shm, "ORDERED_STORES", True)
     size = 50_000
     w0 = np.zeros(size, np.float32)
-    async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
+    with pytest.raises(UpdateFailed, match="a kernel that fails"):  # from serve(), awaited by run_server
+        async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
 
-        def learn() -> None:
-            client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
-            try:
-                w = client.push_pull(np.ones(size, np.float32), client.pull().timestamp)
-                client.push_pull(np.ones(size, np.float32), w.timestamp)
-            finally:
-                client.close()
+            def learn() -> None:
+                client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
+                try:
+                    w = client.push_pull(np.ones(size, np.float32), client.pull().timestamp)
+                    client.push_pull(np.ones(size, np.float32), w.timestamp)
+                finally:
+                    client.close()
 
-        with pytest.raises(PeerGone, match="computation of these weights failed"):
-            await asyncio.wait_for(asyncio.to_thread(learn), 30)
+            with pytest.raises(PeerGone, match="computation of these weights failed"):
+                await asyncio.wait_for(asyncio.to_thread(learn), 30)
     assert len(pieces) == 15
 
 
@@ -893,3 +894,31 @@ async def test_weights_lent_by_reference_are_never_taken_torn_after_the_server_c
             await asyncio.wait_for(pulled, 10)
         await b.close()
         await a.close()
+
+
+async def test_a_segment_its_peer_does_not_own_is_refused_and_never_written(monkeypatch):
+    """A receiver maps only segments owned by its peer's user (SO_PEERCRED on the socket): a
+    reference to any other segment it could open is refused (malformed, not fatal), and
+    nothing is written into it: the body goes back by a RELEASE notice on the socket."""
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        assert shm.peer_uid(a) == os.getuid()
+    monkeypatch.setattr(shm, "peer_uid", lambda sock: os.getuid() + 1)  # the server takes the learner for another user
+    size = 50_000
+    async with run_server(listen=["shm://"]) as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def learn() -> tuple[list[tuple[int, dict]], int, str]:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                me.send(1, {"layout": [["w", [size]]], "~shm": me.by_reference(np.zeros(size, np.float32))})
+                return [me.recv(), me.recv()], int(me.control[0]), me.seg.name
+            finally:
+                me.close()
+
+        ((kind, error), (notice_kind, notice)), released, name = await asyncio.to_thread(learn)
+        assert ps.core.store is None  # the HELLO was not taken
+    assert kind == MsgType.ERROR and error["code"] == "malformed" and error["fatal"] is False
+    assert "is not the peer's" in error["message"]
+    assert notice_kind == 250 and notice == {"name": name, "offset": 0, "ticket": 1}
+    assert released == 0  # the server wrote nothing into the segment

@@ -46,6 +46,7 @@ import secrets
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -316,10 +317,18 @@ class _Attached:
     """The peer's segment, mapped by name. Unlike ``SharedMemory(name=...)`` on Python < 3.13
     this does not register with the resource tracker: cleaning up is the owner's job."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, owner: int) -> None:
+        """Map segment ``name``, which user ``owner`` (the peer's) must own: a peer may not
+        make this process read, or write a ticket into, another user's segment that this
+        process could open."""
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
         try:
-            self.size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            if stat.st_uid != owner:
+                raise MalformedFrame(
+                    f"segment {quoted(name)} is not the peer's (owned by uid {stat.st_uid}, not {owner})"
+                )
+            self.size = stat.st_size
             self._mmap = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)
@@ -359,13 +368,15 @@ def resolve_reference(
     admit: Callable[[Header], None],
     attached: dict[str, _Attached],
     release: Callable[[str, int, int | None], None],
+    owner: int,
 ) -> Frame | WireError:
     """A frame carrying a body reference, with its body in place in the sender's segment
     (mapped once into ``attached``; ``release(name, offset, ticket)`` is called when the
     frame is released, ``ticket`` None for a reference without one); a frame carrying a
     non-fatal error for a bad reference; FrameTooLarge (fatal) beyond the limits or what
     ``admit`` allows. A reference is ``[name, nbytes, specs]``, optionally followed by the
-    offset in the segment (default 0) and the body's ticket."""
+    offset in the segment (default 0) and the body's ticket; its segment must belong to user
+    ``owner`` (the peer's, :func:`peer_uid`)."""
     ref = frame.meta[_REF]
     meta = {k: v for k, v in frame.meta.items() if k != _REF}
     name: Any = None  # the fields a refused reference is released by, if they are well formed
@@ -390,7 +401,7 @@ def resolve_reference(
         if shm is None:
             if len(attached) >= MAX_ATTACHED:
                 attached.pop(next(iter(attached))).close()
-            shm = attached[name] = _Attached(name)
+            shm = attached[name] = _Attached(name, owner)
         if shm.size < offset + nbytes:
             raise MalformedFrame(f"segment {name} is smaller than the {offset + nbytes} bytes referenced")
     except (MalformedFrame, ValueError, TypeError, OSError) as exc:
@@ -402,6 +413,12 @@ def resolve_reference(
         return Frame(frame.msg_type, meta, memoryview(b""), [], err, give_back)
     give_back = functools.partial(release, name, offset, ticket)
     return Frame(frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, give_back)
+
+
+def peer_uid(sock: Any) -> int:
+    """The user id of the process at the other end of Unix socket ``sock`` (SO_PEERCRED)."""
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(uid)
 
 
 def _lent(ref: list[Any]) -> bool:
@@ -528,6 +545,7 @@ class ShmConnection(StreamConnection):
         self._lent: dict[tuple[str, int], asyncio.Future[None]] = {}  # exported bodies out
         self._follows_progress = False  # the HELLO the WELCOME answers said it follows progress words
         self._welcomed = False
+        self._peer_uid: int | None = None  # the peer's user: the owner of the segments it refers to
 
     # -- receiving -------------------------------------------------------------------------
     def _deliver(self, item: Frame | WireError) -> None:
@@ -551,7 +569,10 @@ class ShmConnection(StreamConnection):
             waiter.set_result(None)
 
     def _resolve(self, frame: Frame) -> Frame | WireError:
-        resolved = resolve_reference(frame, self.limits, self._admit, self._in, self._release)
+        if self._peer_uid is None:
+            assert self._transport is not None  # frames come from it
+            self._peer_uid = peer_uid(self._transport.get_extra_info("socket"))
+        resolved = resolve_reference(frame, self.limits, self._admit, self._in, self._release, self._peer_uid)
         if isinstance(resolved, Frame) and resolved.error is None:
             if _PROGRESS in resolved.meta and frame.msg_type != MsgType.HELLO:  # in a HELLO: the flag
                 return self._being_written(resolved, frame.meta[_REF])
@@ -724,6 +745,7 @@ class BlockingShmConnection(BlockingConnection):
         self._out = _Outgoing()
         self._in: dict[str, _Attached] = {}
         self._held: collections.deque[Frame] = collections.deque()  # read while waiting for a RELEASE
+        self._peer_uid = peer_uid(sock)  # the server's user: the owner of the segments it refers to
         self._write_ahead = False  # the server's WELCOME said it reads progress words of pushes
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
@@ -787,7 +809,7 @@ class BlockingShmConnection(BlockingConnection):
             self._write_ahead = ORDERED_STORES
         if _REF not in frame.meta:
             return frame
-        resolved = resolve_reference(frame, self.limits, lambda header: None, self._in, self._release)
+        resolved = resolve_reference(frame, self.limits, lambda header: None, self._in, self._release, self._peer_uid)
         if isinstance(resolved, WireError):
             self._lost = PeerGone(f"the server sent a frame beyond the limits: {resolved}")
             raise resolved
