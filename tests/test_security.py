@@ -251,3 +251,45 @@ async def test_the_handshake_deadline_holds_from_accept_to_hello_whatever_comes_
             assert ps.stats()["rejected"].get("handshake_timeout") == 1
         finally:
             writer.close()
+
+
+async def test_connections_still_in_their_tls_handshake_count_against_the_connection_limits(pki):
+    """Peers that open tcp connections to a TLS server and never start the handshake are held
+    to --max-unauthenticated like any peer before hello (the oldest are closed at once, not
+    after --handshake-timeout), so they cannot pile up; a learner still trains meanwhile."""
+    async with tls_server(pki, max_unauthenticated=2, handshake_timeout=60) as ps:
+        host, port = ps.addresses[0].removeprefix("tcp://").rsplit(":", 1)
+        silent = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
+        try:
+
+            async def closed_by_server(reader) -> bool:
+                try:
+                    return await asyncio.wait_for(reader.read(1), 0.5) == b""
+                except (TimeoutError, ConnectionError):
+                    return False
+
+            assert [await closed_by_server(reader) for reader, _ in silent] == [True] * 3 + [False] * 2
+            assert ps.stats()["rejected"].get("evicted") == 3
+            assert await train_briefly(ps.addresses[0], tls=security.client_tls(pki["ca.pem"])) == 3
+        finally:
+            for _, writer in silent:
+                writer.close()
+
+
+async def test_a_tls_peer_that_never_completes_its_handshake_is_closed_at_the_handshake_deadline(pki):
+    """Over TLS too, --handshake-timeout runs from the connection's arrival: a peer that sends
+    no ClientHello is closed and counted (handshake_timeout), one beyond --max-connections is
+    refused before any handshake (too_many_connections), and nothing of either is left."""
+    async with tls_server(pki, handshake_timeout=0.5, max_connections=1) as ps:
+        host, port = ps.addresses[0].removeprefix("tcp://").rsplit(":", 1)
+        silent = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        try:
+            for reader, _ in silent:
+                assert await asyncio.wait_for(reader.read(1), 5) == b""
+            rejected = ps.stats()["rejected"]
+            assert (rejected.get("handshake_timeout"), rejected.get("too_many_connections")) == (1, 1)
+            assert not ps._sessions  # no session outlives its connection
+            assert await train_briefly(ps.addresses[0], tls=security.client_tls(pki["ca.pem"])) == 3
+        finally:
+            for _, writer in silent:
+                writer.close()

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from ..monitor import Monitor
 
 log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
+#: how much longer than --handshake-timeout the TLS layer's own handshake timeout is (a backstop)
+TLS_BACKSTOP_S = 1.0
 #: file descriptors kept free for everything but connections (checkpoints, logs, the loop)
 FD_RESERVE = 64
 
@@ -371,7 +373,8 @@ class ParameterServer:
             limits=self.limits,
             on_accept=self._accept,
             tls=self.tls if url.startswith("tcp://") else None,  # the other transports have no TLS
-            tls_timeout=self.config.handshake_timeout,
+            # the session's handshake deadline, from the same arrival, closes it first (and counts it)
+            tls_timeout=self.config.handshake_timeout + TLS_BACKSTOP_S,
         )
 
     def _fit_connection_limit(self) -> None:

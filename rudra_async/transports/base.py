@@ -88,6 +88,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import copy
 import logging
 import ssl
@@ -443,9 +444,13 @@ class ServingListener(Listener):
                 log.exception("accepting %s failed", conn.peer)
                 conn.close()
 
-    async def _serve(self, conn: Connection, *, accepted: bool = False) -> None:
+    async def _serve(
+        self, conn: Connection, *, accepted: bool = False, ready: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         """Serve ``conn`` in the current task (for transports that call back in a task);
-        call it before the connection reads anything, so that ``on_accept`` comes first."""
+        call it before the connection reads anything, so that ``on_accept`` comes first.
+        ``ready()``, awaited first, completes the connection (e.g. a TLS handshake); if it
+        fails, the connection is lost and ``on_connection`` learns so at its first receive."""
         if not accepted:
             self._accepted(conn)
         task = asyncio.current_task()
@@ -455,6 +460,9 @@ class ServingListener(Listener):
         try:
             if conn.is_closed:  # refused by on_accept
                 return
+            if ready is not None:
+                with contextlib.suppress(RudraError):
+                    await ready()
             await self._on_connection(conn)
         except (RudraError, asyncio.CancelledError):
             pass

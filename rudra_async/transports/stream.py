@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -50,6 +50,8 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._poller = loop_poller()  # keeps the loop awake for a moment after each frame sent
         self._thread_write: asyncio.Future[None] | None = None  # the frame a sender thread writes
         self._thread_stop = threading.Event()  # set when the connection ends: the thread gives up
+        #: called by a close before the transport exists (e.g. to abort a TLS handshake)
+        self.abort_connecting: Callable[[], None] | None = None
 
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -228,6 +230,8 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._reader.close()  # its buffers go now, not when the cycle collector runs
         transport = self._transport
         if transport is None:
+            if self.abort_connecting is not None:
+                self.abort_connecting()
             return
         if self._fatal is not None and self._lost is None and transport.can_write_eof():
             # Closing with unread bytes would reset the connection and destroy the error
@@ -240,10 +244,17 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             transport.close()
 
 
+class Accepting(Protocol):
+    """What accepts a listener's connections (an ``asyncio`` server, or the TLS acceptor)."""
+
+    def close(self) -> None:
+        """Stop accepting."""
+
+
 class StreamListener(ServingListener):
     def __init__(self, on_connection: OnConnection, on_accept: OnAccept | None = None) -> None:
         super().__init__(on_connection, on_accept)
-        self._server: asyncio.AbstractServer | None = None
+        self._server: Accepting | None = None
 
     def _stop_accepting(self) -> None:
         if self._server is not None:

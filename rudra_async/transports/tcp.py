@@ -1,15 +1,28 @@
-"""TCP transport (``tcp://host:port``): frames over a TCP stream, see :mod:`.stream`."""
+"""TCP transport (``tcp://host:port``): frames over a TCP stream, see :mod:`.stream`.
+
+Over TLS the listener accepts each connection itself and hands it to ``on_accept`` before
+the TLS handshake, so a connection still in its handshake counts against the server's
+limits and deadlines like any other (and is closed by them: its handshake is aborted).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import logging
+import socket
 import ssl
 
-from ..errors import ConnectError
+from ..errors import ConnectError, PeerGone
 from ..wire import Limits
 from .base import OnAccept, OnConnection, Transport, format_host_port, parse_host_port
 from .blocking import BlockingConnection, connect_tcp
 from .stream import StreamConnection, StreamListener, open_stream, start_listener
+
+log = logging.getLogger(__name__)
+
+ACCEPT_RETRY_S = 0.1  # after accept failed (e.g. out of file descriptors), try again this much later
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -59,11 +72,11 @@ class TcpTransport(Transport):
         """Listen on a ``tcp://host:port`` URL (port 0 picks one), over TLS with ``tls``.
         Fails at once if it cannot bind."""
         host, port = parse_url(url)
+        if tls is not None:
+            return await _listen_tls(url, on_connection, limits, on_accept, tls, tls_timeout)
         loop = asyncio.get_running_loop()
         listener = await start_listener(
-            lambda factory: loop.create_server(
-                factory, host, port, ssl=tls, ssl_handshake_timeout=tls_timeout if tls else None
-            ),
+            lambda factory: loop.create_server(factory, host, port),
             url,
             on_connection,
             lambda on_made: StreamConnection(limits, on_made=on_made),
@@ -81,6 +94,121 @@ class TcpTransport(Transport):
             return connect_tcp(host, port, url, limits, timeout, tls)
         except ConnectError as exc:
             raise _with_tls_hint(exc, host, tls) from None
+
+
+async def _listen_tls(
+    url: str,
+    on_connection: OnConnection,
+    limits: Limits,
+    on_accept: OnAccept | None,
+    context: ssl.SSLContext,
+    timeout: float,
+) -> StreamListener:
+    """A listener on ``url`` whose connections become TLS after ``on_accept`` has taken them."""
+    listener = StreamListener(on_connection, on_accept)
+    server = _TlsServer(await _bind(url), listener, limits, context, timeout)
+    listener._server = server
+    sockname = server.sockets[0].getsockname()
+    listener.address = format_host_port("tcp", sockname[0], sockname[1])
+    return listener
+
+
+async def _bind(url: str) -> list[socket.socket]:
+    """Listening sockets for every address ``url``'s host resolves to (as ``create_server``)."""
+    host, port = parse_url(url)
+    loop = asyncio.get_running_loop()
+    socks: list[socket.socket] = []
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(100)
+            sock.setblocking(False)
+    except OSError as exc:
+        for sock in socks:
+            sock.close()
+        raise ConnectError(f"cannot listen on {url}: {exc.strerror or exc}") from None
+    return socks
+
+
+class _TlsServer:
+    """Accepts on ``sockets``; each connection is handed to the listener's ``on_accept``, then
+    its TLS handshake runs (within ``timeout`` s) in the task that serves it."""
+
+    def __init__(
+        self,
+        sockets: list[socket.socket],
+        listener: StreamListener,
+        limits: Limits,
+        context: ssl.SSLContext,
+        timeout: float,
+    ) -> None:
+        self._sockets = sockets
+        self._listener = listener
+        self._limits = limits
+        self._context = context
+        self._timeout = timeout
+        loop = asyncio.get_running_loop()
+        self._accepting = [loop.create_task(self._accept(sock)) for sock in sockets]
+        self._serving: set[asyncio.Task[None]] = set()  # until the listener's _serve has taken them
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        return tuple(self._sockets)
+
+    def close(self) -> None:
+        """Stop accepting; connections not yet being served are dropped (the listener closes the others)."""
+        for task in (*self._accepting, *self._serving):
+            task.cancel()
+        for sock in self._sockets:
+            sock.close()
+
+    async def _accept(self, listening: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, address = await loop.sock_accept(listening)
+            except OSError as exc:  # out of descriptors, or a connection reset before it was taken
+                log.warning("accepting a connection on %s failed: %s", self._listener.address, exc)
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            conn = StreamConnection(self._limits, peer=format_host_port("tcp", address[0], address[1]))
+            conn.abort_connecting = lambda sock=sock: _shut_down(sock)  # a close during the handshake ends it
+            self._listener._accepted(conn)
+            if conn.is_closed:  # refused at once: no handshake
+                sock.close()
+                continue
+            ready = functools.partial(self._handshake, conn, sock)
+            task = loop.create_task(self._listener._serve(conn, accepted=True, ready=ready))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _handshake(self, conn: StreamConnection, sock: socket.socket) -> None:
+        """Make ``conn`` TLS on ``sock``; PeerGone (and the connection lost) if that fails."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(
+                lambda: conn, sock, ssl=self._context, ssl_handshake_timeout=self._timeout
+            )
+        except BaseException as exc:
+            sock.close()
+            if not isinstance(exc, Exception):
+                raise
+            lost = PeerGone(f"TLS handshake with {conn.peer} failed: {exc or type(exc).__name__}")
+            conn._connection_lost(lost)
+            raise lost from None
+        finally:
+            conn.abort_connecting = None
+
+
+def _shut_down(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _with_tls_hint(exc: ConnectError, host: str, tls: ssl.SSLContext | None) -> ConnectError:
