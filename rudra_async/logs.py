@@ -2,6 +2,8 @@
 line as text or JSON lines, and a rate limit for messages a peer can provoke.
 
 - :func:`configure`: the root handler for ``--log-level`` and ``--log-format text|json``.
+- :class:`TextFormatter`: one line per record (``TEXT_FORMAT``); control characters in the
+  message (a peer's name may carry a newline) are escaped, so no one can forge a line.
 - :class:`JsonFormatter`: one JSON object per line: ``time`` (UTC, ISO 8601), ``level``,
   ``logger``, ``message``, the fields passed with ``extra=`` (``learner``, ``peer``, ``code``,
   …), and ``exception`` when there is one.
@@ -26,6 +28,21 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
+#: control characters (C0, DEL, C1) and the Unicode line and paragraph separators
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+class TextFormatter(logging.Formatter):
+    """``TEXT_FORMAT``, its message with control characters escaped (a traceback follows as usual)."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_CONTROL)
+        return super().formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     """A record as one JSON object on one line (see the module docstring for the keys)."""
 
@@ -46,7 +63,7 @@ def configure(level: str = "INFO", fmt: str = "text") -> None:
     """Log to stderr at ``level`` as ``fmt`` (``text`` or ``json``), unless logging was set up
     already (``logging.basicConfig``'s rule: an embedding program's own setup stays)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     logging.basicConfig(level=level, handlers=[handler])
 
 

@@ -96,3 +96,25 @@ def test_log_format_json_from_the_command_line():
         reap(server)
     lines = [json.loads(line) for line in err.splitlines() if line.startswith("{") and '"level"' in line]
     assert any(line["message"].startswith("parameter server listening on") for line in lines), err
+
+
+async def test_a_learner_name_cannot_forge_a_line_of_the_text_log():
+    """Text logs are one line per record: a control character in a message (a learner may
+    name itself anything) is escaped, so a name cannot start a line of its own."""
+    port = free_port()
+    server = start_cli("server", "--listen", f"tcp://127.0.0.1:{port}", "--kernel", "numpy")
+    try:
+        await asyncio.to_thread(wait_listening, port)
+        layout = small_layout()
+        forged = "x\n2026-12-05 00:00:00,000 ERROR rudra_async.server: FORGED\r\u2028"
+        client = await Client.connect(f"tcp://127.0.0.1:{port}", layout, initial_weights(layout), name=forged)
+        await client.close()
+        await asyncio.sleep(0.2)
+        server.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(server.communicate, timeout=30)
+    finally:
+        reap(server)
+    assert "(x\\x0a2026-12-05 00:00:00,000 ERROR rudra_async.server: FORGED\\x0d\\u2028)" in err
+    logged = [line for line in err.splitlines() if "FORGED" in line and not line.startswith("{")]  # not the stats
+    assert len(logged) == 2 and all("(x\\x0a" in line for line in logged), err  # joined, left: never a line of its own
+    assert "\u2028" not in err
