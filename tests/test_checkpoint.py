@@ -319,3 +319,20 @@ async def test_a_learner_without_reconnect_stops_with_a_clear_error_when_the_ser
             raise
     _, err = await asyncio.wait_for(learner.communicate(), 60)  # the server is gone now
     assert learner.returncode == 2 and b"error: " in err and b"Traceback" not in err
+
+
+async def test_resuming_with_another_lr_says_that_the_checkpoints_groups_are_used(tmp_path, caplog):
+    """The checkpoint's parameter groups (their lr and weight decay) are restored: a --lr or
+    --weight-decay given at --resume that differs is not used, and the server says so."""
+    path = str(tmp_path / "run.ckpt")
+    w0 = initial_weights(small_layout())
+    async with run_server(lr=0.1, checkpoint=path) as ps:
+        await push_sequence(ps.addresses[0], small_layout(), [np.ones(small_layout().size, np.float32)], w0)
+    async with run_server(lr=0.1, resume=path):
+        assert "parameter groups" not in caplog.text
+    async with run_server(lr=0.05, weight_decay=0.01, resume=path) as ps:
+        assert ps.core.groups[0].lr == 0.1
+    assert (
+        "parameter groups [[2, 0.1, 0.0]] ([tensors, lr, weight_decay]), not --lr 0.05 --weight-decay 0.01"
+        in caplog.text
+    )

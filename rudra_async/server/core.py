@@ -549,6 +549,15 @@ class ServerCore:
             groups = parse_groups(ckpt.state["groups"], ckpt.layout) if "groups" in ckpt.state else None
         except RequestError as exc:
             raise CheckpointError(f"{source} has bad parameter groups: {exc}") from None
+        configured = default_groups(ckpt.layout, self.config.lr, self.config.weight_decay)
+        if groups is not None and groups != configured:
+            log.warning(
+                "resuming with %s's parameter groups %s ([tensors, lr, weight_decay]), not --lr %g --weight-decay %g",
+                source,
+                [g.to_wire() for g in groups],
+                self.config.lr,
+                self.config.weight_decay,
+            )
         store = self._create_store(ckpt.layout, ckpt.weights, groups)
         store.clock = ckpt.clock
         self.protocol.start_at(ckpt.clock)
