@@ -8,9 +8,9 @@ the momentum, of the values the file's shard holds. Metadata keys: ``format`` (1
 (what the server restores besides the arrays: the staleness histogram, the LR policy's
 state) and ``info`` (free-form: the server's settings, for people reading the file).
 
-:func:`save` writes to a temporary file in the same directory, fsyncs it and renames it over
-the target, so a crash at any moment leaves either the old or the new checkpoint, never a
-mix. :func:`load` refuses a file that is not a checkpoint, is truncated or fails its CRC,
+:func:`save` writes to a temporary file in the same directory (``.NAME.PID.*.tmp``), fsyncs
+it and renames it over the target, so a crash at any moment leaves either the old or the new
+checkpoint, never a mix; the next save deletes the temporaries of processes that are gone. :func:`load` refuses a file that is not a checkpoint, is truncated or fails its CRC,
 with a :class:`~rudra_async.errors.CheckpointError` that says which.
 """
 
@@ -83,9 +83,11 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         "info": ckpt.info,
     }
     directory = os.path.dirname(os.path.abspath(path))
+    prefix = f".{os.path.basename(path)}."
+    _remove_orphans(directory, prefix)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
         with open(fd, "wb") as f:
             for buf in encode_frame(MsgType.CHECKPOINT, meta, arrays, _LIMITS):
                 f.write(buf)
@@ -104,6 +106,29 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         if isinstance(exc, (ValueError, TypeError, OverflowError)):  # metadata msgpack cannot encode
             raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
         raise
+
+
+def _remove_orphans(directory: str, prefix: str) -> None:
+    """Delete the temporaries ``prefix{pid}.*.tmp`` of saves whose process is gone (killed
+    mid-save: each is model-sized). Those of a living process, and anything else, stay."""
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
+                continue
+            pid = entry.name[len(prefix) :].split(".", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
 
 
 def load(path: str | os.PathLike[str]) -> Checkpoint:

@@ -336,3 +336,20 @@ async def test_resuming_with_another_lr_says_that_the_checkpoints_groups_are_use
         "parameter groups [[2, 0.1, 0.0]] ([tensors, lr, weight_decay]), not --lr 0.05 --weight-decay 0.01"
         in caplog.text
     )
+
+
+def test_a_save_deletes_the_temporaries_of_saves_killed_midway(tmp_path):
+    """A save killed midway (SIGKILL) leaves its model-sized temporary; the next save of the
+    same checkpoint deletes those of processes that are gone, and keeps those of living ones."""
+    path = tmp_path / "run.ckpt"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f".run.ckpt.{dead.pid}.abc123.tmp"
+    living = tmp_path / f".run.ckpt.{os.getppid()}.def456.tmp"  # another save, still running
+    other = tmp_path / f".other.ckpt.{dead.pid}.ghi789.tmp"  # another checkpoint's
+    for f in (orphan, living, other):
+        f.write_bytes(b"partial")
+    ckpt.save(path, sample_checkpoint())
+    assert not orphan.exists() and living.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, living.name, other.name])
+    assert ckpt.load(path).clock == sample_checkpoint().clock
