@@ -503,3 +503,59 @@ async def test_an_update_that_fails_stops_the_server_and_writes_no_checkpoint_of
     assert path.read_bytes() == good
     assert "the update failed; stopping the server" in caplog.text
     assert "the final checkpoint is not written" in caplog.text
+
+
+async def test_an_update_that_fails_in_the_watchdog_stops_the_server(monkeypatch, caplog):
+    """Evicting a hung learner can complete a hardsync round, whose update then runs from the
+    watchdog: if it fails, the server stops all the same (the watchdog goes on enforcing
+    deadlines meanwhile)."""
+    from rudra_async.client import Client
+
+    with pytest.raises(rudra_errors.UpdateFailed, match="out of memory"):
+        async with run_server(protocol="hardsync", learner_timeout=0.5, momentum=0.0) as ps:
+            a = await Client.connect(ps.addresses[0], LAYOUT, np.zeros(N, np.float32), timeout=5)
+            b = await Client.connect(ps.addresses[0], LAYOUT, timeout=5)
+            w = await a.pull()
+            await b.pull()
+
+            def out_of_memory(*args, **kwargs):
+                raise MemoryError("the kernel ran out of memory")
+
+            monkeypatch.setattr(ps.core.store.updater, "apply", out_of_memory)
+            pushed = asyncio.ensure_future(a.push_pull(np.ones(N, np.float32), w.timestamp))  # b never pushes
+            for _ in range(100):
+                if ps.closing:
+                    break
+                await asyncio.sleep(0.05)
+            assert ps.closing and isinstance(ps.failure, rudra_errors.UpdateFailed)
+            assert not ps._watchdog.done()
+            pushed.cancel()
+            await asyncio.gather(pushed, return_exceptions=True)
+            await a.close()
+            await b.close()
+    assert "the update failed; stopping the server" in caplog.text
+
+
+async def test_closing_while_a_failing_update_is_computed_raises_update_failed(off_loop, tmp_path, monkeypatch):
+    """A close (SIGTERM) that comes while the update in flight fails writes no checkpoint and
+    leaves the server with UpdateFailed, which leaving ``async with`` raises (the command
+    line exits with it), not the kernel's own exception."""
+    from rudra_async.client import Client
+
+    path = tmp_path / "run.ckpt"
+    cfg = ServerConfig(listen=["tcp://127.0.0.1:0"], momentum=0.0, checkpoint=str(path))
+    with pytest.raises(rudra_errors.UpdateFailed, match="out of memory"):
+        async with ParameterServer(cfg) as ps:
+            client = await Client.connect(ps.addresses[0], LAYOUT, np.zeros(N, np.float32), timeout=5)
+            w = await client.pull()
+
+            def slowly_out_of_memory(*args, **kwargs):
+                time.sleep(0.3)
+                raise MemoryError("the kernel ran out of memory")
+
+            monkeypatch.setattr(ps.core.store.updater, "apply", slowly_out_of_memory)
+            monkeypatch.setattr(ps.core.store.updater, "partial", False)
+            await client.push(np.ones(N, np.float32), w.timestamp)
+            assert ps.core.store.in_flight is not None
+            await client.close()
+    assert not path.exists()

@@ -333,7 +333,7 @@ async def test_resuming_with_another_lr_says_that_the_checkpoints_groups_are_use
     async with run_server(lr=0.05, weight_decay=0.01, resume=path) as ps:
         assert ps.core.groups[0].lr == 0.1
     assert (
-        "parameter groups [[2, 0.1, 0.0]] ([tensors, lr, weight_decay]), not --lr 0.05 --weight-decay 0.01"
+        "parameter groups [[2, 0.1, 0.0]] ([tensors, lr, weight_decay]); --lr 0.05 --weight-decay 0.01 apply only"
         in caplog.text
     )
 

@@ -552,7 +552,8 @@ class ServerCore:
         configured = default_groups(ckpt.layout, self.config.lr, self.config.weight_decay)
         if groups is not None and groups != configured:
             log.warning(
-                "resuming with %s's parameter groups %s ([tensors, lr, weight_decay]), not --lr %g --weight-decay %g",
+                "resuming with %s's parameter groups %s ([tensors, lr, weight_decay]); "
+                "--lr %g --weight-decay %g apply only to a new run",
                 source,
                 [g.to_wire() for g in groups],
                 self.config.lr,

@@ -190,8 +190,11 @@ class ParameterServer:
         store = self.core.store
         try:
             if self.failure is None:
-                await self.checkpointer.final(self.core.clock if store is not None else None)
-            elif self.checkpoint_path:
+                try:
+                    await self.checkpointer.final(self.core.clock if store is not None else None)
+                except UpdateFailed:  # the update in flight failed meanwhile
+                    self._check_store()
+            if self.failure is not None and self.checkpoint_path:
                 log.error("the final checkpoint is not written: the weights are undefined (%s)", self.failure)
         finally:
             self._store_closed = True
@@ -204,6 +207,8 @@ class ParameterServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+        if self.failure is not None and exc[0] is None:  # found while closing: the owner must know
+            raise self.failure
 
     # -- what an embedding application reads ---------------------------------------------------
     @property
@@ -302,11 +307,14 @@ class ParameterServer:
 
         An update decided while this waited is waited for too, so a caller that reads the
         weights right after this returns (no ``await`` in between) never blocks the loop on
-        the update thread."""
+        the update thread. Raises :class:`UpdateFailed` if one failed."""
         store = self.core.store
         while store is not None and (job := store.in_flight) is not None and not job.done():
-            # shielded: cancelling this wait must not cancel an update that is still queued
-            await asyncio.shield(asyncio.wrap_future(job))
+            try:  # shielded: cancelling this wait must not cancel an update that is still queued
+                await asyncio.shield(asyncio.wrap_future(job))
+            except Exception:
+                store.finish()  # raises it as UpdateFailed, the store's failure from now on
+                raise
 
     def _wake(self) -> None:
         """Called on the update thread after each update: reap it on the loop (its gradients'
@@ -464,7 +472,10 @@ class ParameterServer:
                 if session.deadline is not None and now > session.deadline:
                     session.expire()
             if cfg.learner_timeout:
-                self.core.evict_hung(now, cfg.learner_timeout)
+                try:  # an eviction may complete a round: its update runs here
+                    self.core.evict_hung(now, cfg.learner_timeout)
+                except UpdateFailed:
+                    self._check_store()
             for info in self.core.newly_slow(cfg.slow_after):
                 log.warning(
                     "learner %d (%s) is slow: nothing from it for %g s",

@@ -217,8 +217,10 @@ class WeightStore:
             self._current = dst
             self.clock += 1
             if self._background is None:
-                self._failing(self._compute, src, dst, grads, scales, steps)
-                _call_all(after)
+                try:
+                    self._failing(self._compute, src, dst, grads, scales, steps)
+                finally:
+                    _call_all(after)
             else:
                 background, self._after = self._background, list(after)
                 self._progress = progress = Progress(dst.nbytes)
@@ -227,9 +229,11 @@ class WeightStore:
             return True
         saved = self.updater.momentum
         dst = self._spare()
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what the check is for
-            self._failing(self._compute, src, dst, grads, scales, steps)
-        _call_all(after)
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # overflow is what the check is for
+                self._failing(self._compute, src, dst, grads, scales, steps)
+        finally:
+            _call_all(after)
         self.clock += 1
         if np.isfinite(dst).all() and np.isfinite(self.updater.momentum).all():
             self._current = dst
