@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import time
 import zlib
@@ -109,14 +110,15 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
 
 
 def _remove_orphans(directory: str, prefix: str) -> None:
-    """Delete the temporaries ``prefix{pid}.*.tmp`` of saves whose process is gone (killed
-    mid-save: each is model-sized). Those of a living process, and anything else, stay."""
+    """Delete the temporaries of saves of this checkpoint whose process is gone (killed
+    mid-save: each is model-sized): exactly ``prefix`` + pid + ``.`` + mkstemp's 8 characters
+    + ``.tmp``, so another checkpoint's (``NAME.1000``'s, say) never matches. Those of a
+    living process, and anything else, stay."""
+    orphan = re.compile(re.escape(prefix) + r"([0-9]{1,7})\.[a-z0-9_]{8}\.tmp")
     with contextlib.suppress(OSError), os.scandir(directory) as entries:
         for entry in entries:
-            if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
-                continue
-            pid = entry.name[len(prefix) :].split(".", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            match = orphan.fullmatch(entry.name)
+            if match and not _alive(int(match[1])):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 
@@ -126,7 +128,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # e.g. another user's process
+    except (OSError, OverflowError):  # another user's process; a pid beyond the platform's
         return True
     return True
 

@@ -344,12 +344,17 @@ def test_a_save_deletes_the_temporaries_of_saves_killed_midway(tmp_path):
     path = tmp_path / "run.ckpt"
     dead = subprocess.Popen(["true"])
     dead.wait()
-    orphan = tmp_path / f".run.ckpt.{dead.pid}.abc123.tmp"
-    living = tmp_path / f".run.ckpt.{os.getppid()}.def456.tmp"  # another save, still running
-    other = tmp_path / f".other.ckpt.{dead.pid}.ghi789.tmp"  # another checkpoint's
-    for f in (orphan, living, other):
+    orphan = tmp_path / f".run.ckpt.{dead.pid}.abc123_x.tmp"
+    living = tmp_path / f".run.ckpt.{os.getppid()}.def456yz.tmp"  # another save, still running
+    others = [  # other checkpoints' temporaries (run.ckpt.1000's, a save still writing), and stray names
+        tmp_path / f".other.ckpt.{dead.pid}.ghi789_z.tmp",
+        tmp_path / f".run.ckpt.1000.{os.getpid()}.jkl012ab.tmp",
+        tmp_path / ".run.ckpt.99999999999999999999.abcdefgh.tmp",
+        tmp_path / ".run.ckpt.\u00b2.abcdefgh.tmp",
+    ]
+    for f in (orphan, living, *others):
         f.write_bytes(b"partial")
     ckpt.save(path, sample_checkpoint())
-    assert not orphan.exists() and living.exists() and other.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, living.name, other.name])
+    assert not orphan.exists() and living.exists() and all(f.exists() for f in others)
+    assert len(list(tmp_path.iterdir())) == 2 + len(others)
     assert ckpt.load(path).clock == sample_checkpoint().clock
