@@ -293,3 +293,17 @@ async def test_a_tls_peer_that_never_completes_its_handshake_is_closed_at_the_ha
         finally:
             for _, writer in silent:
                 writer.close()
+
+
+async def test_closing_a_tls_server_during_handshakes_leaves_no_session_behind(pki):
+    """Connections still in their TLS handshake when the server closes end like any other:
+    no session outlives them."""
+    ps = tls_server(pki)
+    async with ps:
+        host, port = ps.addresses[0].removeprefix("tcp://").rsplit(":", 1)
+        silent = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        assert len(ps._sessions) == 3
+    assert not ps._sessions and not ps._unregistered
+    for _, writer in silent:
+        writer.close()

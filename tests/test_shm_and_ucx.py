@@ -922,3 +922,25 @@ async def test_a_segment_its_peer_does_not_own_is_refused_and_never_written(monk
     assert "is not the peer's" in error["message"]
     assert notice_kind == 250 and notice == {"name": name, "offset": 0, "ticket": 1}
     assert released == 0  # the server wrote nothing into the segment
+
+
+async def test_a_refused_reference_quotes_at_most_80_characters_of_its_segment_name():
+    """A reference to a segment that cannot be opened (here a 300-character name) is refused
+    (malformed, not fatal), and the reply quotes the peer's name cut short."""
+    size = 50_000
+    async with run_server(listen=["shm://"]) as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def learn() -> tuple[int, dict]:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                me.send(1, {"layout": [["w", [size]]], "~shm": me.by_reference(np.zeros(size, np.float32))})
+                assert me.recv()[0] == MsgType.WELCOME
+                me.send(MsgType.PUSH, {"timestamp": 0, "~shm": ["n" * 300, 4 * size, [["<f4", [size]]], 0, 7]})
+                return next(reply for reply in iter(me.recv, None) if reply[0] != 250)  # not a RELEASE notice
+            finally:
+                me.close()
+
+        kind, error = await asyncio.to_thread(learn)
+    assert kind == MsgType.ERROR and error["code"] == "malformed" and error["fatal"] is False
+    assert "'" + "n" * 76 + "..." in error["message"] and "n" * 77 not in error["message"]

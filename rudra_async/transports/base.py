@@ -88,7 +88,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
-import contextlib
 import copy
 import logging
 import ssl
@@ -450,7 +449,8 @@ class ServingListener(Listener):
         """Serve ``conn`` in the current task (for transports that call back in a task);
         call it before the connection reads anything, so that ``on_accept`` comes first.
         ``ready()``, awaited first, completes the connection (e.g. a TLS handshake); if it
-        fails, the connection is lost and ``on_connection`` learns so at its first receive."""
+        fails, or is cancelled, the connection is lost and ``on_connection`` still runs (it
+        learns so at its first receive), so whatever ``on_accept`` set up ends with it."""
         if not accepted:
             self._accepted(conn)
         task = asyncio.current_task()
@@ -461,8 +461,14 @@ class ServingListener(Listener):
             if conn.is_closed:  # refused by on_accept
                 return
             if ready is not None:
-                with contextlib.suppress(RudraError):
+                try:
                     await ready()
+                except RudraError:
+                    pass
+                except asyncio.CancelledError:
+                    conn.close()
+                    await self._on_connection(conn)  # returns at once: the connection is closed
+                    raise
             await self._on_connection(conn)
         except (RudraError, asyncio.CancelledError):
             pass

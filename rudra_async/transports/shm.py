@@ -405,7 +405,11 @@ def resolve_reference(
         if shm.size < offset + nbytes:
             raise MalformedFrame(f"segment {name} is smaller than the {offset + nbytes} bytes referenced")
     except (MalformedFrame, ValueError, TypeError, OSError) as exc:
-        err = exc if isinstance(exc, MalformedFrame) else MalformedFrame(f"bad shared-memory reference: {exc}")
+        if isinstance(exc, MalformedFrame):
+            err = exc
+        else:  # an OSError's text may hold the whole (peer-chosen) segment name: say it once, cut short
+            why = (exc.strerror or type(exc).__name__) if isinstance(exc, OSError) else str(exc)
+            err = MalformedFrame(f"bad shared-memory reference to segment {quoted(name)}: {why}")
         err.fatal = False
         # a refused body that is named well is released as usual: its sender gets the segment back
         named = _names_body(name, offset, ticket)
@@ -601,7 +605,7 @@ class ShmConnection(StreamConnection):
         if not (frame.msg_type == MsgType.PUSH and self._reads_progress()):
             error = 'a body written after its reference ("~progress") in a frame other than a PUSH, or unannounced'
         elif word is None:
-            error = f"bad progress word position {at!r} for a body at [{start}, {start + nbytes})"
+            error = f"bad progress word position {quoted(at)} for a body at [{start}, {start + nbytes})"
         else:
             frame.written = functools.partial(self._written, word, nbytes)
             self.bytes_in += nbytes
@@ -828,7 +832,7 @@ class BlockingShmConnection(BlockingConnection):
         word = shm.word(at, 0, shm.size)
         if word is None:
             frame.release()
-            self._lost = PeerGone(f"the server sent a bad progress word position {at!r}")
+            self._lost = PeerGone(f"the server sent a bad progress word position {quoted(at)}")
             raise self._lost
         target = self.allocator(frame.msg_type, frame.meta, n) if self.allocator is not None else None
         out = np.empty(n, np.uint8).data if target is None else target.cast("B")

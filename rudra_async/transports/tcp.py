@@ -8,19 +8,19 @@ limits and deadlines like any other (and is closed by them: its handshake is abo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import socket
 import ssl
 
 from ..errors import ConnectError, PeerGone
+from ..logs import rate_limited
 from ..wire import Limits
 from .base import OnAccept, OnConnection, Transport, format_host_port, parse_host_port
 from .blocking import BlockingConnection, connect_tcp
 from .stream import StreamConnection, StreamListener, open_stream, start_listener
 
-log = logging.getLogger(__name__)
+log = rate_limited(logging.getLogger(__name__))  # a flood of connections provokes its messages
 
 ACCEPT_RETRY_S = 0.1  # after accept failed (e.g. out of file descriptors), try again this much later
 
@@ -178,25 +178,27 @@ class _TlsServer:
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
             conn = StreamConnection(self._limits, peer=format_host_port("tcp", address[0], address[1]))
-            conn.abort_connecting = lambda sock=sock: _shut_down(sock)  # a close during the handshake ends it
+            arrival = _Arrival(sock)
+            conn.abort_connecting = arrival.abort  # a close before or during the handshake ends it
             self._listener._accepted(conn)
             if conn.is_closed:  # refused at once: no handshake
-                sock.close()
                 continue
-            ready = functools.partial(self._handshake, conn, sock)
+            ready = functools.partial(self._handshake, conn, arrival)
             task = loop.create_task(self._listener._serve(conn, accepted=True, ready=ready))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
+            await asyncio.sleep(0)  # sock_accept may not yield while connections wait: let the loop run
 
-    async def _handshake(self, conn: StreamConnection, sock: socket.socket) -> None:
-        """Make ``conn`` TLS on ``sock``; PeerGone (and the connection lost) if that fails."""
+    async def _handshake(self, conn: StreamConnection, arrival: _Arrival) -> None:
+        """Make ``conn`` TLS on its socket; PeerGone (and the connection lost) if that fails."""
         loop = asyncio.get_running_loop()
+        arrival.handshaking = True
         try:
             await loop.connect_accepted_socket(
-                lambda: conn, sock, ssl=self._context, ssl_handshake_timeout=self._timeout
+                lambda: conn, arrival.sock, ssl=self._context, ssl_handshake_timeout=self._timeout
             )
         except BaseException as exc:
-            sock.close()
+            arrival.sock.close()
             if not isinstance(exc, Exception):
                 raise
             lost = PeerGone(f"TLS handshake with {conn.peer} failed: {exc or type(exc).__name__}")
@@ -206,9 +208,23 @@ class _TlsServer:
             conn.abort_connecting = None
 
 
-def _shut_down(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+class _Arrival:
+    """An accepted socket until its TLS connection is made: what closing the connection does to it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.handshaking = False
+
+    def abort(self) -> None:
+        """Close the socket, or during the handshake shut it down (the TLS layer then fails and
+        closes it; closing the descriptor under it would not wake it)."""
+        if not self.handshaking:
+            self.sock.close()
+            return
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _with_tls_hint(exc: ConnectError, host: str, tls: ssl.SSLContext | None) -> ConnectError:
