@@ -4,7 +4,8 @@ A checkpoint file is one frame of the wire format (``docs/wire.md``) of type CHE
 (9): the 24-byte header, a msgpack metadata map, then two float32 segments, the weights and
 the momentum, of the values the file's shard holds. Metadata keys: ``format`` (1),
 ``clock``, ``layout`` (the whole model's, as in HELLO), ``shard`` ([index, count]),
-``samples``, ``crc32`` (of each segment's bytes), ``saved_at`` (Unix time), ``state``
+``samples``, ``crc32`` (of each segment's bytes), ``meta_crc32`` (of the rest of the
+metadata, see :func:`_meta_crc`), ``saved_at`` (Unix time), ``state``
 (what the server restores besides the arrays: the staleness histogram, the LR policy's
 state) and ``info`` (free-form: the server's settings, for people reading the file).
 
@@ -25,11 +26,12 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+import msgpack
 import numpy as np
 
 from .errors import CheckpointError, ConfigError, RudraError
 from .layout import Layout, Shard
-from .wire import HEADER_SIZE, Limits, MsgType, decode_meta, encode_frame, parse_segments, unpack_header
+from .wire import HEADER_SIZE, Limits, MsgType, decode_meta, encode_frame, parse_segments, spec_of, unpack_header
 
 __all__ = [
     "FORMAT",
@@ -82,7 +84,12 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         "saved_at": time.time(),
         "state": ckpt.state,
         "info": ckpt.info,
+        "seg": [spec_of(a).to_wire() for a in arrays],  # as encode_frame writes it: covered by meta_crc32
     }
+    try:
+        meta["meta_crc32"] = _meta_crc(meta)
+    except (ValueError, TypeError, OverflowError) as exc:  # metadata msgpack cannot encode
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
     directory = os.path.dirname(os.path.abspath(path))
     prefix = f".{os.path.basename(path)}."
     _remove_orphans(directory, prefix)
@@ -107,6 +114,14 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         if isinstance(exc, (ValueError, TypeError, OverflowError)):  # metadata msgpack cannot encode
             raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
         raise
+
+
+def _meta_crc(meta: dict[str, Any]) -> int:
+    """The CRC-32 of ``meta`` without ``meta_crc32``, msgpack-encoded as it reads back from a
+    file (``use_bin_type``, keys in order; packing the decoded map again gives the same bytes)."""
+    rest = {key: value for key, value in meta.items() if key != "meta_crc32"}
+    as_read = decode_meta(msgpack.packb(rest, use_bin_type=True))
+    return zlib.crc32(msgpack.packb(as_read, use_bin_type=True))
 
 
 def _remove_orphans(directory: str, prefix: str) -> None:
@@ -164,6 +179,8 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
         raise CheckpointError(f"{path} has bad metadata: {exc}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}; this version reads {FORMAT}")
+    if "meta_crc32" in meta and meta["meta_crc32"] != _meta_crc(meta):  # absent in files of earlier versions
+        raise CheckpointError(f"{path} is corrupt: its metadata fails its CRC-32 check")
     if [(s.dtype.str, s.shape) for s in specs] != [("<f4", (hi - lo,))] * 2:
         raise CheckpointError(f"{path} must hold two float32 segments of {hi - lo} values")
     arrays = [np.empty(hi - lo, np.float32) for _ in specs]

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -85,6 +86,9 @@ def corrupt(path, how):
         data = b"PK\x03\x04" + data[4:]
     elif how == "empty":
         data = b""
+    elif how == "change the clock":  # still valid msgpack: only the CRC of the metadata can tell
+        at = data.index(b"\xa5clock\x07")
+        data[at + 6] = 0x08
     path.write_bytes(bytes(data))
 
 
@@ -98,6 +102,7 @@ def corrupt(path, how):
         ("padded", "padded"),
         ("not rudra", "bad magic"),
         ("empty", "not a rudra-async checkpoint"),
+        ("change the clock", "metadata fails its CRC-32"),
     ],
 )
 def test_damaged_files_are_refused_with_the_reason(tmp_path, how, message):
@@ -358,3 +363,27 @@ def test_a_save_deletes_the_temporaries_of_saves_killed_midway(tmp_path):
     assert not orphan.exists() and living.exists() and all(f.exists() for f in others)
     assert len(list(tmp_path.iterdir())) == 2 + len(others)
     assert ckpt.load(path).clock == sample_checkpoint().clock
+
+
+def test_a_file_without_the_metadata_crc_of_earlier_versions_still_loads(tmp_path):
+    state = sample_checkpoint()
+    path = tmp_path / "old.ckpt"
+    ckpt.save(path, state)
+    back = ckpt.load(path)
+    meta = {  # what earlier versions wrote: no meta_crc32
+        "format": 1,
+        "clock": state.clock,
+        "layout": state.layout.to_wire(),
+        "shard": [0, 1],
+        "samples": state.samples,
+        "crc32": [zlib.crc32(state.weights.data), zlib.crc32(state.momentum.data)],
+        "saved_at": 0.0,
+        "state": {},
+        "info": {},
+    }
+    path.write_bytes(
+        b"".join(bytes(b) for b in encode_frame(MsgType.CHECKPOINT, meta, [state.weights, state.momentum]))
+    )
+    old = ckpt.load(path)
+    assert old.clock == back.clock == state.clock
+    np.testing.assert_array_equal(old.weights, back.weights)
