@@ -121,7 +121,10 @@ async def _bind(url: str) -> list[socket.socket]:
     try:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this host cannot open (no IPv6): skipped, as create_server does
+                continue
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
@@ -129,6 +132,8 @@ async def _bind(url: str) -> list[socket.socket]:
             sock.bind(address)
             sock.listen(100)
             sock.setblocking(False)
+        if not socks:
+            raise OSError(f"no address of {host!r} can be opened")
     except OSError as exc:
         for sock in socks:
             sock.close()
