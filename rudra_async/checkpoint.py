@@ -87,7 +87,7 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         "seg": [spec_of(a).to_wire() for a in arrays],  # as encode_frame writes it: covered by meta_crc32
     }
     try:
-        meta["meta_crc32"] = _meta_crc(meta)
+        meta["meta_crc32"] = _meta_crc(decode_meta(msgpack.packb(meta, use_bin_type=True)))  # as it reads back
     except (ValueError, TypeError, OverflowError) as exc:  # metadata msgpack cannot encode
         raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
     directory = os.path.dirname(os.path.abspath(path))
@@ -117,11 +117,9 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
 
 
 def _meta_crc(meta: dict[str, Any]) -> int:
-    """The CRC-32 of ``meta`` without ``meta_crc32``, msgpack-encoded as it reads back from a
-    file (``use_bin_type``, keys in order; packing the decoded map again gives the same bytes)."""
-    rest = {key: value for key, value in meta.items() if key != "meta_crc32"}
-    as_read = decode_meta(msgpack.packb(rest, use_bin_type=True))
-    return zlib.crc32(msgpack.packb(as_read, use_bin_type=True))
+    """The CRC-32 of a metadata map as read from a file, without ``meta_crc32``, msgpack-encoded
+    (``use_bin_type``, keys in order: packing a decoded map again gives the same bytes)."""
+    return zlib.crc32(msgpack.packb({k: v for k, v in meta.items() if k != "meta_crc32"}, use_bin_type=True))
 
 
 def _remove_orphans(directory: str, prefix: str) -> None:

@@ -163,7 +163,7 @@ def parse_segments(meta: dict[str, Any], body_len: int) -> list[SegmentSpec]:
         dtype_str, shape = item
         if dtype_str not in ALLOWED_DTYPES:
             raise MalformedFrame(f"segment dtype {quoted(dtype_str)} not allowed")
-        if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if len(shape) > MAX_DIMS or not all(is_int(d) and d >= 0 for d in shape):
             raise MalformedFrame(f"bad segment shape {quoted(shape)}: at most {MAX_DIMS} integers >= 0")
         spec = SegmentSpec(_DTYPES[dtype_str], tuple(shape))
         extent = spec.dtype.itemsize

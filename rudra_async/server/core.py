@@ -27,7 +27,7 @@ import numpy as np
 from .. import __version__, kernels, registry, schema
 from ..checkpoint import Checkpoint
 from ..config import ServerConfig
-from ..errors import CheckpointError, ConfigError, RequestError, RudraError, quoted
+from ..errors import CheckpointError, ConfigError, RequestError, RudraError, UpdateFailed, quoted
 from ..kernels import SGD, Group, max_abs
 from ..layout import Layout, Shard
 from ..logs import rate_limited
@@ -169,7 +169,8 @@ class ServerCore:
     """One server's state. ``initial`` (tensor name → array) seeds the weights; otherwise
     the first HELLO does. ``shared_memory`` provides the published weight buffers when a
     listening transport sends them by reference. ``on_change()`` is called after every event
-    that may release a waiting request; ``on_update(clock)`` after events that applied updates."""
+    that may release a waiting request; ``on_update(clock)`` after events that applied updates;
+    ``on_failure(failure)`` once, when computing an update raised (the weights are undefined)."""
 
     def __init__(
         self,
@@ -179,6 +180,7 @@ class ServerCore:
         shared_memory: SharedMemory | None = None,
         on_change: Callable[[], None] = lambda: None,
         on_update: Callable[[int], None] = lambda clock: None,
+        on_failure: Callable[[UpdateFailed], None] = lambda failure: None,
         now: Callable[[], float] = time.monotonic,
         background: Background | None = None,
     ) -> None:
@@ -211,7 +213,7 @@ class ServerCore:
         self._last_steps: tuple[dict[float, float], Sequence[Group], SGD] | None = None  # see _steps
         self._shared_memory = shared_memory
         self._background = background
-        self._on_change, self._on_update, self._now = on_change, on_update, now
+        self._on_change, self._on_update, self._on_failure, self._now = on_change, on_update, on_failure, now
         self._next_id = 0
         if initial is not None:
             layout = Layout.from_shapes((k, np.shape(a)) for k, a in initial.items())
@@ -620,6 +622,7 @@ class ServerCore:
             shared.allocate if shared else None,
             shared.free if shared else None,
             self._background,
+            self._on_failure,
         )
         self._weights_bound = max_abs(self.store.weights)
         return self.store

@@ -14,6 +14,7 @@ stable code; it never changes the weights and never affects other connections.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -88,6 +89,7 @@ class ParameterServer:
             shared_memory=shared_memory_of(cfg.listen),
             on_change=self._notify,
             on_update=self.checkpointer.after_update,
+            on_failure=self._failed,
             background=self._background,
         )
         if cfg.resume is not None:
@@ -190,10 +192,8 @@ class ParameterServer:
         store = self.core.store
         try:
             if self.failure is None:
-                try:
+                with contextlib.suppress(UpdateFailed):  # the update in flight failed meanwhile: _failed
                     await self.checkpointer.final(self.core.clock if store is not None else None)
-                except UpdateFailed:  # the update in flight failed meanwhile
-                    self._check_store()
             if self.failure is not None and self.checkpoint_path:
                 log.error("the final checkpoint is not written: the weights are undefined (%s)", self.failure)
         finally:
@@ -329,19 +329,14 @@ class ParameterServer:
     def _reap(self) -> None:
         store = self.core.store
         if store is not None and not self._store_closed:
-            try:
+            with contextlib.suppress(UpdateFailed):  # the server stops: _failed
                 store.reap()
-            except UpdateFailed:
-                pass
-            self._check_store()
 
-    def _check_store(self) -> None:
-        """Stop the server if an update failed (whoever met the failure first)."""
-        store = self.core.store
-        if store is None or store.failure is None or self.failure is not None:
-            return
-        self.failure = store.failure
-        log.critical("the update failed; stopping the server", exc_info=store.failure)
+    def _failed(self, failure: UpdateFailed) -> None:
+        """An update failed (the store says so once, whoever met it): the weights are
+        undefined, so the server stops."""
+        self.failure = failure
+        log.critical("the update failed; stopping the server", exc_info=failure)
         self.request_close()
 
     # -- waiting ------------------------------------------------------------------------------
@@ -452,11 +447,10 @@ class ParameterServer:
         try:
             with self.traffic.track(scheme, conn):
                 await session.run()
-        except UpdateFailed:  # the server stops: _check_store says why, once
+        except UpdateFailed:  # the server stops: _failed
             pass
         finally:
             self._forget(session)
-            self._check_store()
 
     async def _watch(self) -> None:
         """Enforce the deadlines: close connections past theirs, evict hung learners; warn
@@ -472,10 +466,8 @@ class ParameterServer:
                 if session.deadline is not None and now > session.deadline:
                     session.expire()
             if cfg.learner_timeout:
-                try:  # an eviction may complete a round: its update runs here
+                with contextlib.suppress(UpdateFailed):  # an eviction may complete a round (the server stops: _failed)
                     self.core.evict_hung(now, cfg.learner_timeout)
-                except UpdateFailed:
-                    self._check_store()
             for info in self.core.newly_slow(cfg.slow_after):
                 log.warning(
                     "learner %d (%s) is slow: nothing from it for %g s",

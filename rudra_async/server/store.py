@@ -122,9 +122,11 @@ class WeightStore:
         allocate: Callable[[int], np.ndarray] | None = None,
         free: Callable[[np.ndarray], None] | None = None,
         background: Background | None = None,
+        on_failure: Callable[[UpdateFailed], None] = lambda failure: None,
     ) -> None:
         """``allocate(nbytes)``/``free(buffer)`` provide the published buffers (e.g. shared
-        memory a transport can send without copying); plain memory by default."""
+        memory a transport can send without copying); plain memory by default.
+        ``on_failure(failure)`` is called once, on the caller's thread, when an update fails."""
         if initial.size != layout.size:
             raise ValueError(f"initial weights have {initial.size} values, layout needs {layout.size}")
         self.layout = layout
@@ -144,6 +146,7 @@ class WeightStore:
         self._after: list[Callable[[], None]] = []  # to call once it is computed
         #: set once an update raised: the weights are undefined, and every later read or update raises it
         self.failure: UpdateFailed | None = None
+        self._on_failure = on_failure
 
     @property
     def updates_inline(self) -> bool:
@@ -311,6 +314,8 @@ class WeightStore:
             compute(*args)
         except Exception as exc:
             self.failure = UpdateFailed(f"the update to clock {self.clock} failed, the weights are undefined: {exc!r}")
+            self.failure.__cause__ = exc  # already for on_failure (a log of it shows the kernel's traceback)
+            self._on_failure(self.failure)
             raise self.failure from exc
 
     def _usable(self) -> None:

@@ -549,7 +549,11 @@ class ShmConnection(StreamConnection):
         self._lent: dict[tuple[str, int], asyncio.Future[None]] = {}  # exported bodies out
         self._follows_progress = False  # the HELLO the WELCOME answers said it follows progress words
         self._welcomed = False
-        self._peer_uid: int | None = None  # the peer's user: the owner of the segments it refers to
+        self._peer_uid = -1  # the peer's user, the owner of the segments it refers to (once connected)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._peer_uid = peer_uid(transport.get_extra_info("socket"))
+        super().connection_made(transport)
 
     # -- receiving -------------------------------------------------------------------------
     def _deliver(self, item: Frame | WireError) -> None:
@@ -573,9 +577,6 @@ class ShmConnection(StreamConnection):
             waiter.set_result(None)
 
     def _resolve(self, frame: Frame) -> Frame | WireError:
-        if self._peer_uid is None:
-            assert self._transport is not None  # frames come from it
-            self._peer_uid = peer_uid(self._transport.get_extra_info("socket"))
         resolved = resolve_reference(frame, self.limits, self._admit, self._in, self._release, self._peer_uid)
         if isinstance(resolved, Frame) and resolved.error is None:
             if _PROGRESS in resolved.meta and frame.msg_type != MsgType.HELLO:  # in a HELLO: the flag
@@ -820,8 +821,12 @@ class BlockingShmConnection(BlockingConnection):
         if _PROGRESS in resolved.meta and resolved.error is None:
             return self._follow(resolved, frame.meta[_REF][0], resolved.meta[_PROGRESS])
         if resolved.error is None and _lent(frame.meta[_REF]):
-            resolved.lent = lambda: not self.is_closed and _not_hung_up(self._sock)
+            resolved.lent = self._still_open
         return resolved
+
+    def _still_open(self) -> bool:
+        """Whether the server still lends what it sent by reference (see ``Frame.lent``)."""
+        return not self.is_closed and _not_hung_up(self._sock)
 
     def _follow(self, frame: Frame, name: str, at: Any) -> Frame:
         """A body the server still computes, copied out of segment ``name`` (into the
@@ -849,7 +854,7 @@ class BlockingShmConnection(BlockingConnection):
                     done = final
                 else:
                     gone = self._hung_up(PROGRESS_POLL_S)
-            if not _not_hung_up(self._sock):  # the lease may have ended during the copy (Frame.lent)
+            if not self._still_open():  # the lease may have ended during the copy (Frame.lent)
                 self._lost = PeerGone("the server went away while its weights were being copied")
                 raise self._lost
         finally:

@@ -73,15 +73,16 @@ class TcpTransport(Transport):
         Fails at once if it cannot bind."""
         host, port = parse_url(url)
         if tls is not None:
-            return await _listen_tls(url, on_connection, limits, on_accept, tls, tls_timeout)
-        loop = asyncio.get_running_loop()
-        listener = await start_listener(
-            lambda factory: loop.create_server(factory, host, port),
-            url,
-            on_connection,
-            lambda on_made: StreamConnection(limits, on_made=on_made),
-            on_accept,
-        )
+            listener = await _listen_tls(url, on_connection, limits, on_accept, tls, tls_timeout)
+        else:
+            loop = asyncio.get_running_loop()
+            listener = await start_listener(
+                lambda factory: loop.create_server(factory, host, port),
+                url,
+                on_connection,
+                lambda on_made: StreamConnection(limits, on_made=on_made),
+                on_accept,
+            )
         sockname = listener._server.sockets[0].getsockname()  # type: ignore[union-attr]
         listener.address = format_host_port("tcp", sockname[0], sockname[1])
         return listener
@@ -106,10 +107,7 @@ async def _listen_tls(
 ) -> StreamListener:
     """A listener on ``url`` whose connections become TLS after ``on_accept`` has taken them."""
     listener = StreamListener(on_connection, on_accept)
-    server = _TlsServer(await _bind(url), listener, limits, context, timeout)
-    listener._server = server
-    sockname = server.sockets[0].getsockname()
-    listener.address = format_host_port("tcp", sockname[0], sockname[1])
+    listener._server = _TlsServer(await _bind(url), listener, limits, context, timeout)
     return listener
 
 
