@@ -3,7 +3,8 @@ line as text or JSON lines, and a rate limit for messages a peer can provoke.
 
 - :func:`configure`: the root handler for ``--log-level`` and ``--log-format text|json``.
 - :class:`TextFormatter`: one line per record (``TEXT_FORMAT``); control characters in the
-  message (a peer's name may carry a newline) are escaped, so no one can forge a line.
+  message (a peer's name may carry a newline) are escaped, and a backslash doubled, so no
+  one can forge a line or make two messages read alike; a traceback's lines are indented.
 - :class:`JsonFormatter`: one JSON object per line: ``time`` (UTC, ISO 8601), ``level``,
   ``logger``, ``message``, the fields passed with ``extra=`` (``learner``, ``peer``, ``code``,
   …), and ``exception`` when there is one.
@@ -28,19 +29,46 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
-#: control characters (C0, DEL, C1) and the Unicode line and paragraph separators
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {0x2028: "\\u2028", 0x2029: "\\u2029"}
+#: control characters (C0, DEL, C1) and the Unicode line and paragraph separators, and the
+#: backslash (doubled, so an escape and the same characters typed by a peer read differently)
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+    0x5C: "\\\\",
+}
+#: what starts each line of a traceback in a text log: no traceback line looks like a record
+TRACEBACK_INDENT = "  | "
 
 
 class TextFormatter(logging.Formatter):
-    """``TEXT_FORMAT``, its message with control characters escaped (a traceback follows as usual)."""
+    """``TEXT_FORMAT``, its message with control characters escaped; a traceback (or stack)
+    follows, each of its lines after :data:`TRACEBACK_INDENT`, escaped the same way (an
+    exception's message may quote a peer)."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
 
+    def format(self, record: logging.LogRecord) -> str:
+        cached, record.exc_text = record.exc_text, None  # another handler's rendering, unescaped
+        try:
+            return super().format(record)
+        finally:
+            record.exc_text = cached
+
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = record.message.translate(_CONTROL)
         return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    """Each line of ``text`` escaped and after :data:`TRACEBACK_INDENT`."""
+    return "\n".join(TRACEBACK_INDENT + line.translate(_CONTROL) for line in text.split("\n"))
 
 
 class JsonFormatter(logging.Formatter):

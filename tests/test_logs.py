@@ -5,12 +5,13 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 
 import numpy as np
 from helpers import free_port, initial_weights, reap, run_server, small_layout, start_cli, wait_listening
 
 from rudra_async.client import Client
-from rudra_async.logs import JsonFormatter, RateLimit
+from rudra_async.logs import TEXT_FORMAT, TRACEBACK_INDENT, JsonFormatter, RateLimit, TextFormatter
 
 
 def record(msg: str, *args, level=logging.WARNING, **extra) -> logging.LogRecord:
@@ -118,3 +119,34 @@ async def test_a_learner_name_cannot_forge_a_line_of_the_text_log():
     logged = [line for line in err.splitlines() if "FORGED" in line and not line.startswith("{")]  # not the stats
     assert len(logged) == 2 and all("(x\\x0a" in line for line in logged), err  # joined, left: never a line of its own
     assert "\u2028" not in err
+
+
+def _text(record: logging.LogRecord) -> str:
+    return TextFormatter().format(record)
+
+
+def test_a_backslash_is_doubled_so_an_escape_cannot_be_typed():
+    """A peer that types the four characters of an escape reads differently from one that
+    sent the control character."""
+    typed = _text(logging.LogRecord("rudra_async.test", logging.INFO, __file__, 1, "name %s", ("x\\x0ay",), None))
+    sent = _text(logging.LogRecord("rudra_async.test", logging.INFO, __file__, 1, "name %s", ("x\ny",), None))
+    assert typed.endswith("name x\\\\x0ay") and sent.endswith("name x\\x0ay")
+
+
+def test_a_traceback_quoting_a_peer_cannot_forge_a_line():
+    """Each traceback line is indented and escaped: an exception message with a newline (it
+    may quote a peer) never starts a line that reads as a record of its own."""
+    forged = "bad name x\n2026-12-05 00:00:00,000 ERROR rudra_async.server: FORGED\r"
+    try:
+        raise ValueError(forged)
+    except ValueError:
+        record = logging.LogRecord("rudra_async.test", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    plain = logging.Formatter(TEXT_FORMAT).format(record)  # another handler renders it first
+    assert "\n2026-12-05" in plain
+    lines = _text(record).split("\n")
+    assert lines[0].endswith("ERROR rudra_async.test: failed")
+    assert all(line.startswith(TRACEBACK_INDENT) for line in lines[1:]) and len(lines) > 3
+    assert lines[-2:] == [
+        TRACEBACK_INDENT + "ValueError: bad name x",
+        TRACEBACK_INDENT + "2026-12-05 00:00:00,000 ERROR rudra_async.server: FORGED\\x0d",
+    ]
