@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from . import __version__
 from .config import LaunchConfig, LearnerConfig, LogOptions, ServerConfig, TrainConfig
-from .errors import RudraError
+from .errors import ConfigError, RudraError
 from .eventloop import run as run_loop
 from .options import click_options, from_flat, read_file, to_flat
 
@@ -133,6 +133,8 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     if logging.getLogger().level > logging.DEBUG:  # joins and leaves are noise in a local run
         logging.getLogger("rudra_async.server").setLevel(logging.WARNING)
     try:
+        if results:
+            _check_writable(results)  # now, not after the run
         out = run_loop(run_train(_config(TrainConfig, kwargs, TrainConfig.SET_BY_RUN), progress))
     except RudraError as exc:
         _fail(exc)
@@ -145,8 +147,18 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     if out["learners_failed"]:
         click.echo(f"warning: learners {out['learners_failed']} failed; the run finished with the others", err=True)
     if results:
-        with open(results, "w") as fh:
-            json.dump(out, fh, indent=2)
+        try:
+            with open(results, "w") as fh:
+                json.dump(out, fh, indent=2)
+        except OSError as exc:
+            _fail(ConfigError(f"cannot write results to {results}: {exc.strerror}"))
+
+
+def _check_writable(path: str) -> None:
+    """Raise ConfigError unless a file can be written at ``path`` (its directory exists and is writable)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"cannot write results to {path}: {folder} is not a writable directory")
 
 
 @main.command()

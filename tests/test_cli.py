@@ -1,12 +1,18 @@
 """The command line with real processes: train, server + learners, fast and clear failures."""
 
 import json
+import os
+import re
 import signal
 import socket
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
-from helpers import free_port, last_json, reap, run_cli, start_cli, start_server
+from helpers import CLI_ARGS, free_port, last_json, reap, run_cli, start_cli, start_server, subprocess_env
+
+from rudra_async import checkpoint
 
 
 def test_train_writes_results_json(tmp_path):
@@ -104,6 +110,7 @@ def test_port_in_use_fails_at_once():
         (["server", "--listen", "127.0.0.1:7000"], "has no scheme"),
         (["server", "--listen", "carrier-pigeon://x:1"], "no transport for scheme"),
         (["train", "--learners", "0"], "--learners must be >= 1, got 0"),
+        (["train", "--results", "/nonexistent-dir/r.json"], "cannot write results to /nonexistent-dir/r.json"),
         (["train", "--transport", "memory"], "cannot reach learner processes"),
         (["train", "--transport", "pigeon"], "no transport for scheme"),
         (["train", "--protocol", "softsync", "--n", "8", "--learners", "4"], "n <= λ"),
@@ -115,3 +122,60 @@ def test_bad_configuration_is_a_clear_error(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` (children, theirs, …), from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["SIGTERM to train", "Ctrl-C to the process group"])
+def test_a_stopped_train_writes_its_checkpoint_and_leaves_no_process(tmp_path, group):
+    """SIGTERM (a scheduler's time limit, ``docker stop``) or Ctrl-C stops a run in order: its
+    learners are stopped, the final checkpoint is written, nothing is left running and no
+    learner prints a traceback."""
+    ckpt = tmp_path / "run.ckpt"
+    args = ["train", "-l", "2", "--epochs", "10000", "--checkpoint", str(ckpt)]
+    with subprocess.Popen(
+        [*CLI_ARGS, *args], stderr=subprocess.PIPE, text=True, env=subprocess_env(), start_new_session=True
+    ) as proc:
+        try:
+            for line in proc.stderr:  # progress lines, one a second: wait for updates to come
+                clock = re.search(r"updates +(\d+)", line)
+                if clock and int(clock[1]) > 0:
+                    break
+            below = _descendants(proc.pid)
+            assert len(below) >= 3, below  # the fork server and two learners at least
+            if group:
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            err = proc.stderr.read()
+            assert proc.wait(timeout=60) == 2
+        finally:
+            reap(proc)
+    name = "SIGINT" if group else "SIGTERM"
+    assert f"error: the run was stopped by {name}" in err and "Traceback" not in err, err
+    assert checkpoint.load(ckpt).clock > 0
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in below if _alive(pid)]

@@ -14,6 +14,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 from multiprocessing import forkserver
 from multiprocessing.process import BaseProcess
@@ -34,7 +35,9 @@ def warm_up() -> None:
 
 def _learner(cfg: LearnerConfig, results: mp.Queue[tuple[int, dict[str, Any]]], secret: str | None) -> None:
     """A learner process: train, report the summary; a refusal is one line on stderr, exit 2.
-    ``secret``: the run's generated secret, which the learner reads as RUDRA_ASYNC_SECRET."""
+    ``secret``: the run's generated secret, which the learner reads as RUDRA_ASYNC_SECRET.
+    SIGINT is ignored: Ctrl-C reaches the whole process group, and the run stops its learners."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ..learner.loop import run_learner
     from ..security import SECRET_ENV
 

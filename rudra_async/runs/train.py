@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -58,6 +60,7 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         generated = secrets.token_hex(32)
         secret = generated.encode()
     async with contextlib.AsyncExitStack() as stack:
+        stopped_by = stack.enter_context(_stopped_by_signals())
         servers = [
             await stack.enter_async_context(
                 ParameterServer(cfg.server_config(cfg.listen_url(), n_train, Shard(i, cfg.shards)), secret=secret)
@@ -69,6 +72,11 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         ticker = asyncio.create_task(_report_progress(server, started, progress)) if progress else None
         try:
             summaries = await group.run(cfg.timeout)
+        except asyncio.CancelledError:
+            if not stopped_by:
+                raise
+            await stack.aclose()  # the learners are stopped; the servers close, writing the final checkpoint
+            raise RudraError(f"the run was stopped by {stopped_by[0].name}") from None
         finally:
             if ticker:
                 ticker.cancel()
@@ -89,6 +97,34 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
         "learner_summaries": summaries,
         "first_update_unix": time.time() - (time.monotonic() - (server.core.first_update_at or started)),
     }
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[list[signal.Signals]]:
+    """While in the block, SIGINT and SIGTERM cancel the current task (the run) once, so that
+    it stops its learners and closes its servers (a final checkpoint is written) instead of
+    the process dying with its learners left running; yields the signals received. Does
+    nothing off the main thread (signals reach only that one)."""
+    received: list[signal.Signals] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+
+    def stop(sig: signal.Signals) -> None:
+        if not received:
+            task.cancel()
+        received.append(sig)
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop, sig)
+    try:
+        yield received
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 def summarize(
