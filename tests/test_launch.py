@@ -43,8 +43,9 @@ def test_bad_launch_settings_are_clear_errors(tmp_path):
     assert resolve(LaunchConfig(**ok), {"SLURM_JOB_ID": "77"}).job_id == "77"
 
 
-def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTASKS")):
-    """Start ``world`` tasks as a cluster engine would (same command, rank in the environment)."""
+def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTASKS"), env=None):
+    """Start ``world`` tasks as a cluster engine would (same command, rank in the environment;
+    ``env`` adds variables)."""
     rank_var, size_var = engine
     procs = [
         start_cli(
@@ -58,7 +59,7 @@ def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTA
             "--listen-host",
             "127.0.0.1",
             *extra,
-            env={rank_var: str(rank), size_var: str(world), "SLURM_JOB_ID": "4242"},
+            env={rank_var: str(rank), size_var: str(world), "SLURM_JOB_ID": "4242", **(env or {})},
         )
         for rank in range(world)
     ]
@@ -92,6 +93,36 @@ def test_a_torchrun_job_with_one_server_and_learner_steps(tmp_path):
     results = run_job(tmp_path, 3, 1, "--steps", "30", engine=("RANK", "WORLD_SIZE"))
     assert results[0]["role"] == "server" and results[0]["updates"] == 60  # two learners × 30, async
     assert [r["steps"] for r in results[1:]] == [30, 30]
+
+
+SHARDED_DATA = """
+import os
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+def model():
+    return nn.Linear(4, 1)
+
+def data(index, learners, batch_size):
+    with open(os.path.join(os.environ["SHARD_LOG"], f"learner-{index}"), "w") as f:
+        f.write(str(learners))
+    x = torch.ones(8, 4)
+    return DataLoader(TensorDataset(x, x[:, :1]), batch_size=batch_size)
+"""
+
+
+def test_a_learners_data_is_told_how_many_learners_the_job_has(tmp_path):
+    """``--data`` functions shard by ``index`` and ``learners``: every learner of a job of
+    three tasks (one server) is told there are two."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "sharded.py").write_text(SHARDED_DATA)
+    extra = ["--steps", "3", "--model", "sharded:model", "--data", "sharded:data", "--loss", "mse", "-b", "4"]
+    env = {"PYTHONPATH": str(tmp_path / "code"), "SHARD_LOG": str(tmp_path / "code")}
+    (tmp_path / "rdv").mkdir()
+    results = run_job(tmp_path / "rdv", 3, 1, *extra, engine=("RANK", "WORLD_SIZE"), env=env)
+    assert results[0]["updates"] == 6
+    assert [(tmp_path / "code" / f"learner-{i}").read_text() for i in (0, 1)] == ["2", "2"]
 
 
 def test_a_learner_gives_up_when_no_server_appears(tmp_path):

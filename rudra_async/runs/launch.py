@@ -105,6 +105,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         LearnerConfig(
             connect=",".join(urls),
             index=index,
+            learners=learners_of(cfg),
             options=cfg.learner,
             secret_file=server.secret_file,
             tls_ca=cfg.tls_ca,
