@@ -56,7 +56,7 @@ class TextFormatter(logging.Formatter):
             record.exc_text = cached
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = record.message.translate(_CONTROL)
+        record.message = escape_controls(record.message)
         return super().formatMessage(record)
 
     def formatException(self, ei: Any) -> str:
@@ -66,9 +66,15 @@ class TextFormatter(logging.Formatter):
         return _indented(super().formatStack(stack_info))
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\xNN``, ``\\u2028``) and
+    its backslashes doubled: one line, printable, and unambiguous."""
+    return text.translate(_CONTROL)
+
+
 def _indented(text: str) -> str:
     """Each line of ``text`` escaped and after :data:`TRACEBACK_INDENT`."""
-    return "\n".join(TRACEBACK_INDENT + line.translate(_CONTROL) for line in text.split("\n"))
+    return "\n".join(TRACEBACK_INDENT + escape_controls(line) for line in text.split("\n"))
 
 
 class JsonFormatter(logging.Formatter):

@@ -3,6 +3,7 @@ with ps.stats(); the status JSON and the live view of `rudra-async status`; the 
 endpoint's answers to bad requests; traffic counted at both ends."""
 
 import asyncio
+import io
 import json
 
 import numpy as np
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rudra_async import RemoteError
 from rudra_async.client import Client
 from rudra_async.monitor.collector import STALENESS_BUCKETS
+from rudra_async.monitor.view import render
 
 
 def samples(text: str) -> dict:
@@ -159,6 +161,15 @@ async def run_command(*args: str, timeout: float = 60) -> tuple[int, str, str]:
     return proc.returncode, out.decode(), err.decode()
 
 
+def shown(snapshot: dict) -> str:
+    """What the live view prints for ``snapshot``, 120 columns wide."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=120)
+    console.print(render(snapshot, 120))
+    return console.file.getvalue()
+
+
 async def test_status_json_and_live_view_of_a_server_started_with_metrics():
     port, metrics = free_port(), free_port()
     server = await asyncio.to_thread(
@@ -177,6 +188,13 @@ async def test_status_json_and_live_view_of_a_server_started_with_metrics():
         assert sum(v["gradients"] for v in snap["learners"].values()) == 60
         assert {v["name"] for v in snap["learners"].values()} == {"learner-0", "learner-1"}
         assert snap["history"]["clock"] and snap["rss_bytes"] > 0 and snap["traffic"]["tcp"]["bytes_in"] > 0
+        first = next(iter(snap["learners"].values()))
+        first["name"], first["peer"] = "job[/][bold]x\x1b[2J", "tcp://[::1]:1"  # a learner's own words
+        assert "job[/][bold]x\\x1b[2J" in shown(snap) and "tcp://[::1]:1" in shown(snap)
+        code, out, err = await run_command("status", str(port), "--json")  # the training port, by mistake
+        assert code == 2 and "did not answer HTTP" in err and "Traceback" not in err, err
+        code, out, err = await run_command("status", "abc:def")
+        assert code == 2 and "expected HOST:PORT" in err and "Traceback" not in err, err
         code, out, err = await run_command(
             "status", f"http://127.0.0.1:{metrics}/", "--count", "2", "--interval", "0.2"
         )

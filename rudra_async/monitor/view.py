@@ -9,13 +9,16 @@ to. The live view is a ``rich`` table redrawn every ``interval`` seconds.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
 from ..errors import ConfigError, ConnectError
+from ..logs import escape_controls
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -29,6 +32,10 @@ def status_url(address: str) -> str:
         address = "http://" + address
     if not address.startswith(("http://", "https://")):
         raise ConfigError(f"expected HOST:PORT or an http:// URL, got {address!r}")
+    try:
+        urllib.parse.urlsplit(address).port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        raise ConfigError(f"expected HOST:PORT or an http:// URL, got {address!r}") from None
     if address.endswith("status.json"):
         return address
     return address.rstrip("/") + "/status.json"
@@ -38,15 +45,19 @@ def fetch(url: str, timeout: float = 5.0) -> dict[str, Any]:
     """One snapshot, or ConnectError saying why not."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            data: dict[str, Any] = json.loads(response.read())
-            return data
+            data = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         raise ConnectError(f"{url} answered {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ConnectError(f"cannot reach {url}: {reason}") from None
+    except http.client.HTTPException as exc:  # something that is not an HTTP server (a training port)
+        raise ConnectError(f"{url} did not answer HTTP ({type(exc).__name__}): is it the --metrics address?") from None
     except ValueError as exc:
         raise ConnectError(f"{url} did not answer JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConnectError(f"{url} did not answer a status object")
+    return data
 
 
 def _ago(seconds: float | None) -> str:
@@ -159,14 +170,14 @@ def render(s: dict[str, Any], width: int = 120) -> Any:
         )
         table.add_row(
             key,
-            info["name"] or "–",
+            Text(escape_controls(info["name"]) or "–"),  # a peer's own words: never markup or terminal codes
             Text(state, style=styles[state]),
             f"{info['gradients']:,}",
             f"{info['rate']:.1f}",
             f"{info['staleness_mean']:.2f}",
             f"{info['dropped']:,}",
             _ago(info["last_seen_s"]),
-            *([info["peer"]] if width >= 110 else []),
+            *([Text(escape_controls(info["peer"]))] if width >= 110 else []),
         )
     parts: list[Any] = [head, figures, traffic, trend, staleness, table]
     if s["rejected"]:
