@@ -182,6 +182,8 @@ class ServerConfig:
             raise ConfigError("the server needs at least one address to listen on")
         if self.nesterov and not self.momentum:
             raise ConfigError("nesterov needs momentum > 0")
+        if not isinstance(self.shard, Shard):
+            raise ConfigError(f"shard must be a Shard (e.g. Shard.parse('0/2')), got {self.shard!r}")
         if self.metrics is not None:
             parse_http_address(self.metrics)
         if self.checkpoint_every is not None and not self.checkpoint:
@@ -247,11 +249,12 @@ def parse_http_address(text: str) -> tuple[str, int]:
 
 
 def metrics_for_shard(address: str, shard: Shard) -> str:
-    """Shard I of a group serves its metrics at the given port + I (port 0 stays 0: any)."""
-    host, sep, port = address.rpartition(":")
-    if shard.count == 1 or not port.isdigit() or int(port) == 0:
+    """Shard I of a group serves its metrics at the given port + I (port 0 stays 0: any), as
+    ``HOST:PORT`` whichever form :func:`parse_http_address` read."""
+    host, port = parse_http_address(address)
+    if shard.count == 1 or port == 0:
         return address
-    return f"{host}{sep}{int(port) + shard.index}"
+    return f"[{host}]:{port + shard.index}" if ":" in host else f"{host}:{port + shard.index}"
 
 
 @dataclass

@@ -47,6 +47,18 @@ def test_bad_shards_are_refused():
             Shard.parse(text)
     with pytest.raises(ConfigError, match="cannot split 3 parameters into 4 shards"):
         Shard(0, 4).range(3)
+    with pytest.raises(ConfigError, match=r"shard must be a Shard \(e.g. Shard.parse\('0/2'\)\), got '0/2'"):
+        ServerConfig(listen=["tcp://127.0.0.1:0"], shard="0/2").validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "metrics, second",
+    [("127.0.0.1:9320", "127.0.0.1:9321"), ("http://127.0.0.1:9320/", "127.0.0.1:9321"), ("9320", "127.0.0.1:9321"),
+     ("[::1]:9320", "[::1]:9321"), ("127.0.0.1:0", "127.0.0.1:0")],
+)  # fmt: skip
+def test_shard_i_serves_its_metrics_at_port_plus_i_whatever_the_form(metrics, second):
+    cfg = ServerConfig(metrics=metrics).for_shard(Shard(1, 2), "tcp://127.0.0.1:0")
+    assert cfg.metrics == second and cfg.validate()
 
 
 @contextlib.asynccontextmanager
