@@ -2,6 +2,8 @@
 
 import pytest
 
+from rudra_async.errors import ConfigError
+
 pytestmark = pytest.mark.torch
 
 
@@ -27,6 +29,9 @@ def test_a_training_log_writes_loss_staleness_and_throughput_by_step(tmp_path):
     assert [v for _, v in found["train/staleness"]] == [0, 1, 2]
     assert [v for _, v in found["train/samples_per_s"]] == [100, 200, 300]
     assert open_log(None, "x").record(1, loss=1.0) is None  # no directory: nothing written
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match=r"--tensorboard .*a-file/x: cannot write there"):
+        open_log(str(tmp_path / "a-file"), "x")
     assert updates_between(5, 6) == 0 and updates_between(5, 9) == 3 and updates_between((2, 2), (4, 5)) == 1
 
 

@@ -26,7 +26,10 @@ class TrainingLog:
             raise ConfigError(
                 "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
             ) from None
-        self._writer: Any = SummaryWriter(log_dir=directory)
+        try:
+            self._writer: Any = SummaryWriter(log_dir=directory)
+        except OSError as exc:
+            raise ConfigError(f"--tensorboard {directory}: cannot write there ({exc.strerror})") from None
 
     def record(
         self,

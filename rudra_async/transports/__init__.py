@@ -46,7 +46,10 @@ def known_schemes() -> list[str]:
 def transport_for(url: str) -> Transport:
     """The transport for ``url``'s scheme; a ConfigError names the known schemes, or the
     plugin that registered something other than a :class:`Transport`."""
-    scheme = urlsplit(url).scheme
+    try:
+        scheme = urlsplit(url).scheme
+    except ValueError as exc:  # e.g. an unclosed [IPv6 bracket
+        raise ConfigError(f"address {url!r} is not a URL: {exc}") from None
     if not scheme:
         raise ConfigError(f"address {url!r} has no scheme; expected e.g. tcp://127.0.0.1:7000")
     found: Any = load_entry_point(ENTRY_POINT_GROUP, scheme, "transport")
