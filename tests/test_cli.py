@@ -110,6 +110,7 @@ def test_port_in_use_fails_at_once():
         (["server", "--listen", "127.0.0.1:7000"], "has no scheme"),
         (["server", "--listen", "carrier-pigeon://x:1"], "no transport for scheme"),
         (["server", "--listen", "tcp://[::1:7000"], "address 'tcp://[::1:7000' is not a URL"),
+        (["server", "--listen", "tcp://127.0.0.1:7000/x"], "has more than a host and a port"),
         (["train", "--learners", "0"], "--learners must be >= 1, got 0"),
         (["train", "--results", "/nonexistent-dir/r.json"], "cannot write results to /nonexistent-dir/r.json"),
         (["train", "--transport", "memory"], "cannot reach learner processes"),

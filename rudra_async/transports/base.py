@@ -504,6 +504,8 @@ def parse_host_port(url: str, scheme: str) -> tuple[str, int]:
         raise ConfigError(f"bad port in {url!r}") from None
     if not parts.hostname or port is None:
         raise ConfigError(f"address {url!r} needs a host and a port, e.g. {scheme}://127.0.0.1:7000")
+    if parts.path.strip("/") or parts.query or parts.fragment or parts.username is not None:
+        raise ConfigError(f"address {url!r} has more than a host and a port, e.g. {scheme}://127.0.0.1:7000")
     return parts.hostname, port
 
 
