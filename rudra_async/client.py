@@ -21,9 +21,18 @@ from typing import Any, Protocol, TypeVar, Union
 import numpy as np
 
 from . import security, transports
-from .errors import ConnectError, PeerGone, RemoteError, RudraError, TransportError
+from .errors import (
+    ConnectError,
+    ConnectionClosed,
+    PeerGone,
+    RemoteError,
+    RequestError,
+    RudraError,
+    TransportError,
+)
 from .eventloop import PrivateLoop, run_sync
 from .layout import Layout, Shard
+from .transports.blocking import BlockingConnection
 from .wire import Allocator, Frame, Limits, MsgType
 
 __all__ = [
@@ -40,6 +49,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+BYE_TIMEOUT_S = 5.0  # how long close() waits for the server's answer to its BYE
+
 
 Stamp = Union[int, tuple[int, ...]]  # noqa: UP007 (a runtime alias: X | Y needs Python 3.10 types)  # a server clock; one per shard for a sharded group
 
@@ -48,12 +59,25 @@ Stamp = Union[int, tuple[int, ...]]  # noqa: UP007 (a runtime alias: X | Y needs
 Gradient = Union[np.ndarray, Sequence[np.ndarray]]  # noqa: UP007 (a runtime alias, as Stamp)
 
 
+def gradient_parts(grad: Gradient) -> list[np.ndarray]:
+    """The arrays ``grad`` is made of; RequestError (``bad_request``) unless it is a numpy
+    array or a sequence of them."""
+    parts = [grad] if isinstance(grad, np.ndarray) else grad
+    if isinstance(parts, Sequence) and all(isinstance(part, np.ndarray) for part in parts):
+        return list(parts)
+    what = type(grad).__name__
+    if isinstance(parts, Sequence):
+        what += " holding a " + next(type(p).__name__ for p in parts if not isinstance(p, np.ndarray))
+    raise RequestError(
+        f"a gradient must be a numpy array or a sequence of numpy arrays, got a {what}", code="bad_request"
+    )
+
+
 def gradient_segments(grad: Gradient, lo: int = 0, hi: int | None = None) -> list[np.ndarray]:
     """Values ``[lo, hi)`` of ``grad`` as a PUSH's one-dimensional segments: views of its
     parts, nothing gathered (docs/wire.md: a gradient may be several segments)."""
-    parts = [grad] if isinstance(grad, np.ndarray) else grad
     out, start = [], 0
-    for part in parts:
+    for part in gradient_parts(grad):
         flat = part.reshape(-1)
         end = start + flat.size
         if end > lo and (hi is None or start < hi):
@@ -115,14 +139,17 @@ class Channel(Protocol):
     def close(self) -> None: ...
 
 
-async def _within(operation: Awaitable[T], timeout: float) -> T:
-    """``operation`` with a deadline; driven without an event loop (a blocking channel), the
-    channel's own socket timeout is the deadline."""
+async def _within(conn: Channel, operation: Awaitable[T], timeout: float) -> T:
+    """``operation`` on ``conn`` with a deadline: asyncio's, or on a blocking channel (driven
+    without an event loop) its socket timeout, set meanwhile. Raises TimeoutError."""
+    if not isinstance(conn, BlockingConnection):
+        return await asyncio.wait_for(operation, timeout)
+    before = conn.gettimeout()
+    conn.settimeout(timeout)
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
         return await operation
-    return await asyncio.wait_for(operation, timeout)
+    finally:
+        conn.settimeout(before)
 
 
 class Client:
@@ -140,6 +167,7 @@ class Client:
         #: the checkpoint clock the server resumed from (``--resume``), or None
         self.resumed_from: int | None = welcome.get("resumed")
         self._seq = 1
+        self._abandoned: str | None = None  # why the connection was closed under a request
         self.weights = np.empty(self.range[1] - self.range[0], np.float32)
         conn.allocator = self._allocate
 
@@ -211,13 +239,31 @@ class Client:
         return None
 
     async def _request(self, msg_type: MsgType, meta: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> Frame:
+        """Send a request and read its reply. Interrupted in between (cancelled, timed out,
+        KeyboardInterrupt), the stream is out of step: the connection is closed and every later
+        request raises ConnectionClosed saying why."""
+        if self._abandoned is not None:
+            raise ConnectionClosed(self._abandoned)
         meta["seq"] = seq = self._seq
         self._seq += 1
-        await self.conn.send(msg_type, meta, arrays)
-        reply = await self.conn.recv()
+        try:
+            await self.conn.send(msg_type, meta, arrays)
+            reply = await self.conn.recv()
+        except BaseException as exc:
+            if not isinstance(exc, Exception) or isinstance(exc, TimeoutError):
+                self._abandon(msg_type, exc)
+            raise
         if reply.meta.get("seq") != seq and reply.msg_type != MsgType.ERROR:
             raise RudraError(f"reply out of order: expected seq {seq}, got {reply.meta.get('seq')}")
         return reply
+
+    def _abandon(self, msg_type: MsgType, exc: BaseException) -> None:
+        """Close the connection under an interrupted request (its reply must never be read)."""
+        self._abandoned = (
+            f"connection closed: a {msg_type.name} request was interrupted ({type(exc).__name__}) "
+            "before its reply came; connect again"
+        )
+        self.conn.close()
 
     def _weights(self, frame: Frame) -> Weights:
         frame = _check(frame, MsgType.WEIGHTS)
@@ -272,10 +318,11 @@ class Client:
         return meta
 
     async def close(self) -> None:
-        """Say bye (best effort) and close. Idempotent."""
+        """Say bye (best effort, waiting at most :data:`BYE_TIMEOUT_S` for the answer) and close.
+        Idempotent."""
         if not self.conn.is_closed:
             try:
-                await _within(self._request(MsgType.BYE, {}), 5.0)
+                await _within(self.conn, self._request(MsgType.BYE, {}), BYE_TIMEOUT_S)
             except (RudraError, TimeoutError, asyncio.TimeoutError):
                 pass
         self.conn.close()
@@ -295,7 +342,7 @@ async def _exchange(
     plain text, or a server that wants a secret)."""
     try:
         await conn.send(msg_type, meta, arrays)
-        return await _within(conn.recv(), timeout)
+        return await _within(conn, conn.recv(), timeout)
     except (TimeoutError, asyncio.TimeoutError):
         raise ConnectError(f"{url} sent no {expected} within {timeout:g} s (is it a rudra-async server?)") from None
     except PeerGone as exc:
@@ -423,9 +470,17 @@ class ShardedClient:
         self, method: str, grad: Gradient, timestamp: Stamp, step: int, samples: int, loss: float | None
     ) -> list[Any]:
         """Call ``Client.<method>`` on every shard with its part of ``grad`` and its own stamp
-        (the loss goes to shard 0 only, for its loss curve)."""
+        (the loss goes to shard 0 only, for its loss curve). A gradient of the wrong length is
+        refused (RequestError ``bad_shape``) before any shard gets a part of it."""
+        parts = gradient_parts(grad)
+        values = sum(p.size for p in parts)
+        if values != self.layout.size:
+            raise RequestError(
+                f"gradient must have {self.layout.size} values end to end (the layout's size), got {values}",
+                code="bad_shape",
+            )
         return await _all(
-            getattr(c, method)(gradient_segments(grad, *c.range), t, step, samples, loss if i == 0 else None)
+            getattr(c, method)(gradient_segments(parts, *c.range), t, step, samples, loss if i == 0 else None)
             for i, (c, t) in enumerate(zip(self.clients, self._per_shard(timestamp)))
         )
 
@@ -482,6 +537,7 @@ class SyncClient:
     def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
         self._loop: PrivateLoop | None = None
         self._run: Callable[[Coroutine[Any, Any, Any]], Any] = run_sync
+        self._closed = False
         kept = None if initial is None else np.array(initial, np.float32, copy=True)  # for a restarted server
         self._connect_args = (url, layout, kept, kwargs)
         try:
@@ -497,7 +553,7 @@ class SyncClient:
         sent again (a server restarted without a checkpoint starts from them). The learner
         id may change."""
         buffer = self._client.weights
-        self._run(self._client.close())
+        self._call(self._client.close())
         deadline = time.monotonic() + within
         while True:
             try:
@@ -556,24 +612,36 @@ class SyncClient:
         self._client.weights = buffer.reshape(-1)
 
     def pull(self, newer_than: Stamp = -1) -> Weights:
-        weights: Weights = self._run(self._client.pull(newer_than))
+        weights: Weights = self._call(self._client.pull(newer_than))
         return weights
 
     def push(self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None) -> Ack:
-        ack: Ack = self._run(self._client.push(grad, timestamp, step, samples, loss))
+        ack: Ack = self._call(self._client.push(grad, timestamp, step, samples, loss))
         return ack
 
     def push_pull(
         self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Weights:
-        weights: Weights = self._run(self._client.push_pull(grad, timestamp, step, samples, loss))
+        weights: Weights = self._call(self._client.push_pull(grad, timestamp, step, samples, loss))
         return weights
 
+    def _call(self, request: Coroutine[Any, Any, T]) -> T:
+        """Run one of the client's coroutines; ConnectionClosed once this client is closed."""
+        if self._closed:
+            request.close()
+            raise ConnectionClosed("the client is closed")
+        result: T = self._run(request)
+        return result
+
     def close(self) -> None:
-        """Say bye and close (and the private event loop, if any). Idempotent."""
+        """Say bye (waiting at most :data:`BYE_TIMEOUT_S` for the answer) and close (and the
+        private event loop, if any). Idempotent."""
+        if self._closed:
+            return
         try:
             self._run(self._client.close())
         finally:
+            self._closed = True
             self._close_loop()
 
     def _close_loop(self) -> None:

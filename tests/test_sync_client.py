@@ -119,3 +119,45 @@ def test_concurrent_blocking_clients_in_threads():
         for t in threads:
             t.join(60)
         assert ps.clock == 200
+
+
+@pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "shm://"])
+async def test_close_gives_a_server_that_stopped_answering_a_deadline(monkeypatch, listen):
+    """The server runs on this test's event loop, blocked while close() runs in a thread: its
+    BYE goes unanswered, and close() still returns, after ``BYE_TIMEOUT_S``."""
+    import asyncio
+    import time
+
+    from helpers import run_server
+
+    from rudra_async import client as client_module
+
+    monkeypatch.setattr(client_module, "BYE_TIMEOUT_S", 0.3)
+    layout = small_layout()
+    async with run_server(listen=[listen], kernel="numpy") as ps:
+        client = await asyncio.to_thread(SyncClient, ps.addresses[0], layout, initial_weights(layout))
+        closing = threading.Thread(target=client.close)
+        started = time.monotonic()
+        closing.start()
+        closing.join(5)  # blocks the server's event loop meanwhile
+        assert not closing.is_alive() and time.monotonic() - started < 3
+        assert client._client.conn.is_closed
+
+
+def test_close_twice_is_harmless_and_a_closed_client_says_so():
+    """Over a private event loop (a shard group) as over a blocking socket."""
+    import contextlib
+
+    from rudra_async.layout import Shard
+
+    layout = small_layout()
+    with contextlib.ExitStack() as stack:
+        shards = [stack.enter_context(server_thread(kernel="numpy", shard=Shard(i, 2))) for i in range(2)]
+        single = stack.enter_context(server_thread(kernel="numpy"))
+        for url in (",".join(ps.addresses[0] for ps in shards), single.addresses[0]):
+            with SyncClient(url, layout, initial_weights(layout)) as client:
+                client.pull()
+                client.close()
+                client.close()
+            with pytest.raises(ConnectionClosed):
+                client.pull()

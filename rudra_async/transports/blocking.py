@@ -116,8 +116,13 @@ class BlockingConnection:
 
     def settimeout(self, seconds: float | None) -> None:
         """Deadline for each blocking call (None: wait as long as it takes; only then does
-        the first read after a send poll)."""
-        self._sock.settimeout(seconds)
+        the first read after a send poll). Nothing once closed."""
+        if not self._closed:
+            self._sock.settimeout(seconds)
+
+    def gettimeout(self) -> float | None:
+        """The deadline :meth:`settimeout` set."""
+        return self._sock.gettimeout()
 
     def close(self) -> None:
         """Close this end. Idempotent; never raises."""
