@@ -11,6 +11,7 @@ from rudra_async import ConfigError
 from rudra_async.config import LearnerOptions, ServerConfig, TrainConfig
 from rudra_async.eventloop import run
 from rudra_async.learner.data import load, load_cifar10
+from rudra_async.runs.report import spearman, write_report
 from rudra_async.runs.simulate import simulate
 from rudra_async.runs.study import expand, run_id, run_study
 
@@ -90,7 +91,7 @@ def test_spec_expansion_and_errors(tmp_path):
         expand({"runs": [{"protocol": "softsync", "learners": 2, "n": 4}]})
     with pytest.raises(ConfigError, match="no \\[\\[runs\\]\\]"):
         expand({})
-    with pytest.raises(ConfigError, match="shards need mode = 'processes'"):
+    with pytest.raises(ConfigError, match="a simulation ignores shards"):
         expand({"runs": [{"grid": {"shards": [1, 2]}}]})
     assert [p["shards"] for p in expand({"runs": [{"mode": "processes", "grid": {"shards": [1, 2]}}]})] == [1, 2]
     bad = tmp_path / "bad.toml"
@@ -122,3 +123,58 @@ def test_cifar10_loader_reads_python_batches_and_trains_cifar10_full(tmp_path):
     )
     r = run(simulate(cfg))
     assert r["updates"] == 5 and r["model"] == "cifar10_full"
+
+
+def result(n, error, policy="constant", protocol="softsync", **more):
+    """One line of results.jsonl, as the report reads it (``n=None``: the point gives no n)."""
+    point = {"n": n} if n is not None else {}
+    return {
+        "id": f"{protocol}-{n}-{policy}-{error}",
+        "group": "g",
+        "mode": "simulated",
+        "protocol": protocol,
+        "learners": 8,
+        "batch_size": 8,
+        "lr_policy": policy,
+        "lr": 0.1,
+        "updates": 100,
+        "staleness_mean": float(n or 1),
+        "staleness_max": 2 * (n or 1),
+        "test_error": error,
+        "staleness_histogram": {str(n or 1): 100},
+        "point": point,
+        **more,
+    }
+
+
+def report_lines(tmp_path, results, **groups):
+    spec = {"report": groups or {"staleness": "g", "hardsync_batch": "g", "softsync_batch": "g"}}
+    return write_report(spec, "spec.toml", results, tmp_path).read_text().splitlines()
+
+
+def test_spearman_gives_tied_values_their_mean_rank():
+    assert spearman([1, 4, 16], [0.9, 0.9, 0.1]) == pytest.approx(-0.8660254)
+    assert spearman([1, 2, 3, 4], [1, 1, 2, 2]) == pytest.approx(0.8944272)
+    assert np.isnan(spearman([1, 4, 16], [0.9, 0.9, 0.9])) and np.isnan(spearman([1], [2]))
+
+
+def test_errors_that_do_not_change_with_n_are_not_a_reproduced_rise(tmp_path):
+    lines = report_lines(tmp_path, [result(n, 0.9) for n in (1, 4, 8)], staleness="g")
+    verdict = next(line for line in lines if "Spearman" in line)
+    assert "ρ undefined: one of the two series is constant" in verdict and "**not reproduced**" in verdict
+
+
+def test_a_softsync_point_without_n_runs_with_n_1(tmp_path):
+    lines = report_lines(tmp_path, [result(None, 0.2), result(2, 0.3), result(None, 0.1, "staleness")])
+    assert "| 1 | 8 | 1.000 | 1.000 | 1 | 1.000 |" in lines  # finding 1's row for n = 1
+    assert "| 1 | 0.200 | 0.100 |" in lines  # finding 2's: n = 1 with either LR policy
+    assert "| g | simulated | softsync | 1 | 8 | 8 | constant | 0.100 | 100 | 1.000 | 2 | 0.200 |" in lines
+
+
+def test_runs_without_a_test_error_are_reported_as_not_measured(tmp_path):
+    hard = [result(None, None, protocol="hardsync"), result(None, None, protocol="hardsync", batch_size=16)]
+    lines = report_lines(tmp_path, [result(1, None), result(2, None), result(1, None, "staleness"), *hard])
+    text = "\n".join(lines)
+    assert "needs constant-α runs for at least two n" in text and "hardsync reference with test errors" in text
+    assert "— **not measured**; for softsync" in text and "(largest difference n/a) — **not measured**" in text
+    assert lines[-2].endswith("| 2 | n/a |")  # the table of all runs

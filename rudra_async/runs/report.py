@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import os
 import platform
 from collections import defaultdict
@@ -26,17 +27,52 @@ from typing import Any
 import numpy as np
 
 
-def _mean(xs: list[float]) -> float:
-    return float(np.mean(xs)) if xs else float("nan")
+def fmt(value: Any) -> str:
+    """A number as the report shows it: floats to 3 decimals, None or NaN (not measured) as n/a."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _mean(xs: list[float | None]) -> float:
+    """The mean of the measured values (None: not measured, e.g. the test error of a run with
+    its own data function); NaN if none is."""
+    measured = [x for x in xs if x is not None]
+    return float(np.mean(measured)) if measured else float("nan")
+
+
+def _errors_by(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, float]:
+    """The mean test error per ``key``, of the keys with at least one measured test error."""
+    measured = [r for r in runs if r["test_error"] is not None]
+    return {k: _mean([r["test_error"] for r in rs]) for k, rs in _by(measured, key).items()}
+
+
+def _ranks(xs: list[float]) -> np.ndarray:
+    """The ranks 1..len(xs) of ``xs``, tied values sharing the mean of their ranks."""
+    _, inverse, counts = np.unique(np.asarray(xs, float), return_inverse=True, return_counts=True)
+    last = np.cumsum(counts)  # the rank of the last of each group of equal values
+    return (last - (counts - 1) / 2)[inverse]
 
 
 def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank); NaN where undefined: fewer
+    than two values, or every x or every y the same."""
     if len(x) < 2:
         return float("nan")
-    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
+    rx, ry = _ranks(x), _ranks(y)
     if rx.std() == 0 or ry.std() == 0:
         return float("nan")
     return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _rho(rho: float) -> str:
+    """ρ as a verdict states it."""
+    return "ρ undefined: one of the two series is constant" if math.isnan(rho) else f"ρ = {rho:.2f}"
+
+
+def _n(run: dict[str, Any]) -> int | None:
+    """The n of a softsync run (softsync's default, 1, where the spec gives none); None otherwise."""
+    return int(run["point"].get("n", 1)) if run["protocol"] == "softsync" else None
 
 
 def _hist(runs: list[dict[str, Any]]) -> dict[int, int]:
@@ -78,9 +114,6 @@ class _Report:
         self.lines.extend(lines)
 
     def table(self, header: list[str], rows: list[list[Any]]) -> None:
-        def fmt(v: Any) -> str:
-            return f"{v:.3f}" if isinstance(v, float) else str(v)
-
         self.add("| " + " | ".join(header) + " |", "|" + "---|" * len(header))
         self.add(*("| " + " | ".join(fmt(v) for v in row) + " |" for row in rows))
         self.add("")
@@ -88,6 +121,8 @@ class _Report:
     def figure(self, name: str, draw: Callable[[Any], None]) -> None:
         fig, ax = self.plt.subplots(figsize=(6, 3.6), dpi=110)
         draw(ax)
+        if ax.get_legend_handles_labels()[0]:  # something was drawn
+            ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(self.out / name)
@@ -102,7 +137,7 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         rep.add("No softsync runs in the staleness group.", "")
         return
     lam = soft[0]["learners"]
-    by_n = _by(soft, lambda r: r["point"]["n"])
+    by_n = _by(soft, _n)
     rep.add("## 1. n-softsync bounds staleness: ⟨σ⟩ ≈ n, σ ≤ 2n almost always", "")
     rows, ok = [], True
     for n, rs in by_n.items():
@@ -123,27 +158,20 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         ax.set_xlabel("staleness σ")
         ax.set_ylabel("fraction of gradients")
         ax.set_title(f"Staleness distribution, {lam}-learner n-softsync")
-        ax.legend()
 
     rep.figure("staleness_distribution.png", draw)
 
     policies = _by(soft, lambda r: r["lr_policy"])
-    hard_err = _mean([r["test_error"] for r in hard])
-    const = {
-        n: _mean([r["test_error"] for r in rs])
-        for n, rs in _by(policies.get("constant", []), lambda r: r["point"]["n"]).items()
-    }
-    stale = {
-        n: _mean([r["test_error"] for r in rs])
-        for n, rs in _by(policies.get("staleness", []), lambda r: r["point"]["n"]).items()
-    }
+    hard_err = _mean([r["test_error"] for r in hard])  # NaN: no hardsync run measured one
+    const = _errors_by(policies.get("constant", []), _n)
+    stale = _errors_by(policies.get("staleness", []), _n)
     rep.add("## 2. With a fixed α0, error rises with n and the largest n fails", "")
     if len(const) >= 2:
         ns = sorted(const)
         rho = spearman(ns, [const[n] for n in ns])
         ok2 = rho > 0 and (const[ns[-1]] >= 0.5 or const[ns[-1]] - const[ns[0]] >= 0.05)
         rep.add(
-            f"Criterion: error increases with n (Spearman ρ > 0; here ρ = {rho:.2f}) and the largest n has error "
+            f"Criterion: error increases with n (Spearman ρ > 0; here {_rho(rho)}) and the largest n has error "
             f"≥ 0.5 or at least 5 points worse than the smallest (here {const[ns[-1]]:.3f} vs {const[ns[0]]:.3f}). "
             f"Verdict: {_verdict(ok2)}.",
             "",
@@ -151,7 +179,7 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
     else:
         rep.add(f"Verdict: {_verdict(None)} (needs constant-α runs for at least two n).", "")
     rep.add("## 3. With α0/σ every n lands close to hardsync's error", "")
-    if stale and hard:
+    if stale and not math.isnan(hard_err):
         worst = max(stale.values()) - hard_err
         ok3 = worst <= 0.03
         rep.add(
@@ -160,7 +188,7 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
             "",
         )
     else:
-        rep.add(f"Verdict: {_verdict(None)} (needs α0/σ runs and a hardsync reference in the group).", "")
+        rep.add(f"Verdict: {_verdict(None)} (needs α0/σ runs and a hardsync reference with test errors).", "")
     ns = sorted(set(const) | set(stale))
     rep.table(
         ["n", "test error, α0", "test error, α0/σ"] + (["hardsync"] if hard else []),
@@ -171,26 +199,23 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         for name, errs in (("fixed α0", const), ("α0/σ", stale)):
             if errs:
                 ax.plot(list(errs), list(errs.values()), marker="o", label=name)
-        if hard:
+        if not math.isnan(hard_err):
             ax.axhline(hard_err, color="gray", linestyle="--", label="hardsync")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("n (softsync)")
         ax.set_ylabel("test error")
         ax.set_title(f"Test error per n, λ = {lam}")
-        ax.legend()
 
     rep.figure("error_per_n.png", draw_err)
 
 
 def _batch_section(rep: _Report, hard: list[dict[str, Any]], soft: list[dict[str, Any]]) -> None:
     rep.add("## 4. Hardsync behaves like SGD with batch μλ; for softsync μ⟨σ⟩ plays that role", "")
-    hard_pts = {
-        k: _mean([r["test_error"] for r in rs])
-        for k, rs in _by(hard, lambda r: r["batch_size"] * r["learners"]).items()
-    }
+    hard_pts = _errors_by(hard, lambda r: r["batch_size"] * r["learners"])
     soft_pts = sorted(
-        (r["batch_size"] * max(r["staleness_mean"], 1e-9), r["test_error"], r["batch_size"], r["point"].get("n"))
+        (r["batch_size"] * max(r["staleness_mean"], 1e-9), r["test_error"], r["batch_size"], _n(r))
         for r in soft
+        if r["test_error"] is not None
     )
     rho_h = spearman(list(hard_pts), list(hard_pts.values())) if hard_pts else float("nan")
     rho_s = spearman([p[0] for p in soft_pts], [p[1] for p in soft_pts]) if soft_pts else float("nan")
@@ -202,10 +227,10 @@ def _batch_section(rep: _Report, hard: list[dict[str, Any]], soft: list[dict[str
     soft_ok = bool(rho_s > 0 and spread <= 0.1) if soft_pts else None
     rep.add("Softsync runs with a constant α0 only (the rate modulation is meant to undo this effect).", "")
     rep.add(
-        f"Criterion: error grows with μλ for hardsync (Spearman ρ = {rho_h:.2f}) — "
-        f"{_verdict(bool(rho_h > 0) if hard_pts else None)}; for softsync, error grows with μ⟨σ⟩ (ρ = {rho_s:.2f}) "
+        f"Criterion: error grows with μλ for hardsync (Spearman {_rho(rho_h)}) — "
+        f"{_verdict(bool(rho_h > 0) if hard_pts else None)}; for softsync, error grows with μ⟨σ⟩ ({_rho(rho_s)}) "
         f"and runs with about the same μ⟨σ⟩ (within ×1.25) differ by at most 0.1 in error (largest difference "
-        f"{spread:.3f}) — {_verdict(soft_ok)}.",
+        f"{fmt(spread)}) — {_verdict(soft_ok)}.",
         "",
     )
     if hard_pts:
@@ -222,7 +247,6 @@ def _batch_section(rep: _Report, hard: list[dict[str, Any]], soft: list[dict[str
         ax.set_xlabel("μλ (hardsync) or μ⟨σ⟩ (softsync)")
         ax.set_ylabel("test error")
         ax.set_title("Effective batch and test error")
-        ax.legend()
 
     rep.figure("error_vs_effective_batch.png", draw)
 
@@ -270,7 +294,6 @@ def _runtime_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         ax.set_xlabel("learners λ (processes)")
         ax.set_ylabel("samples / s")
         ax.set_title(f"Throughput on {os.cpu_count()} cores")
-        ax.legend()
 
     rep.figure("runtime_vs_learners.png", draw)
 
@@ -313,7 +336,7 @@ def write_report(spec: dict[str, Any], spec_path: str, results: list[dict[str, A
                 r["group"],
                 r.get("mode"),
                 r["protocol"],
-                r["point"].get("n", ""),
+                _n(r) or "",
                 r["learners"],
                 r["batch_size"],
                 r["lr_policy"],

@@ -24,12 +24,41 @@ import numpy as np
 
 from ..client import Client
 from ..config import TrainConfig
-from ..errors import RemoteError, RudraError
+from ..errors import ConfigError, RemoteError, RudraError
+from ..options import to_flat
 from ..server import ParameterServer
 from .train import summarize
 
 #: scheduling points a released learner may take before the scheduler calls it stuck
 MAX_SPINS = 100_000
+
+#: settings of learner processes and of how they reach their servers: a simulation (one
+#: server, its learners as tasks of one process, the in-memory transport) does not use them
+PROCESS_ONLY = (
+    "shards",
+    "transport",
+    "timeout",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "data",
+    "loss",
+    "device",
+    "overlap",
+    "threads",
+    "reconnect",
+    "tensorboard",
+)
+
+
+def check_simulated(cfg: TrainConfig) -> None:
+    """Refuse (ConfigError) a run that sets any of :data:`PROCESS_ONLY` to other than its default."""
+    given, default = to_flat(cfg), to_flat(TrainConfig())
+    unused = [key for key in PROCESS_ONLY if given[key] != default[key]]
+    if unused:
+        names = ", ".join(unused)
+        raise ConfigError(f"a simulation ignores {names} (one server, learners in one process); use mode = 'processes'")
 
 
 class Scheduler:
@@ -132,6 +161,7 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
     from ..learner import data as datasets
 
     cfg.validate()
+    check_simulated(cfg)
     torch.set_num_threads(1)
     dataset = datasets.load(cfg.learner.dataset)
     steps = cfg.steps_per_learner(len(dataset.y_train))

@@ -27,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,14 +38,16 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..eventloop import run as run_loop
 from ..options import check_known, from_flat, load_toml
+from .report import fmt, write_report
 
 #: what a point may set besides a run's settings (TrainConfig.settings(), i.e. train's flags)
 SIM_KEYS = ("jitter", "heterogeneity")
 POINT_KEYS = ("mode", "group", *SIM_KEYS)
+MODES = ("simulated", "processes")
 
 
 def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every run of a spec, defaults and grids applied, in order."""
+    """Every run of a spec, defaults and grids applied, in order; each checked (ConfigError)."""
     defaults = spec.get("defaults", {})
     points = []
     for i, group in enumerate(spec.get("runs", [])):
@@ -56,15 +60,38 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
             check_known(point, [*TrainConfig.settings(), *POINT_KEYS], f"runs[{i}]")
             point.setdefault("mode", "simulated")
             point.setdefault("group", f"runs{i}")
-            if point["mode"] not in ("simulated", "processes"):
-                raise ConfigError(f"runs[{i}]: mode must be 'simulated' or 'processes', got {point['mode']!r}")
-            if point["mode"] == "simulated" and point.get("shards", 1) != 1:
-                raise ConfigError(f"runs[{i}]: shards need mode = 'processes' (the simulation runs one server)")
-            to_config(point)  # validate now, not an hour into the sweep
+            try:
+                _check_point(point)  # now, not an hour into the sweep
+            except ConfigError as exc:
+                raise ConfigError(f"runs[{i}]: {exc}") from None
             points.append(point)
     if not points:
         raise ConfigError("the spec has no [[runs]]")
     return points
+
+
+def _check_point(point: dict[str, Any]) -> None:
+    """Refuse a point that would fail once running, or whose mode would ignore some of its keys."""
+    mode = point["mode"]
+    if mode not in MODES:
+        raise ConfigError(f"mode must be 'simulated' or 'processes', got {mode!r}")
+    cfg = to_config(point)
+    if mode == "processes":
+        given = [key for key in SIM_KEYS if key in point]
+        if given:
+            raise ConfigError(f"mode = 'processes' ignores {', '.join(given)} (settings of the simulation's schedule)")
+        return
+    for key in SIM_KEYS:
+        _check_spread(key, point.get(key, 0.0))
+    from .simulate import check_simulated
+
+    check_simulated(cfg)
+
+
+def _check_spread(key: str, value: Any) -> None:
+    """``jitter`` and ``heterogeneity`` are finite numbers >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
 
 
 def run_id(point: dict[str, Any]) -> str:
@@ -89,10 +116,35 @@ def run_point(point: dict[str, Any]) -> dict[str, Any]:
     return run_loop(simulate(cfg, point.get("jitter", 0.05), point.get("heterogeneity", 0.0)))
 
 
-def load_results(path: Path) -> list[dict[str, Any]]:
+def load_results(path: Path, warn: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The results recorded in ``path`` (none if it does not exist). A last line that is not
+    a result (a run killed while writing it) is cut off the file, with a warning, so that its
+    point runs again; a bad line before it is a ConfigError naming the file and the line."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_bytes().split(b"\n")
+    results = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        result = _parse(line)
+        if result is not None:
+            results.append(result)
+        elif any(rest.strip() for rest in lines[number:]):
+            raise ConfigError(f"{path}, line {number}: not the result of a run; repair or delete that line")
+        else:
+            warn(f"warning: {path}, line {number} is incomplete (a run stopped while writing it); it runs again")
+            os.truncate(path, sum(len(before) + 1 for before in lines[: number - 1]))
+    return results
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """The result on one line of results.jsonl, or None if it holds none."""
+    try:
+        result = json.loads(line)
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) and isinstance(result.get("id"), str) else None
 
 
 def run_study(
@@ -102,10 +154,9 @@ def run_study(
     spec = load_toml(spec_path, "study spec")
     points = expand(spec)
     out = Path(output or spec.get("study", {}).get("output", "study-output"))
-    out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.jsonl"
+    results_path = _results_file(out)
     ids = [run_id(p) for p in points]
-    done = {r["id"] for r in load_results(results_path)}
+    done = {r["id"] for r in load_results(results_path, progress)}
     todo = [(i, p) for i, p in zip(ids, points) if i not in done]
     progress(f"{len(points)} runs in the spec, {len(points) - len(todo)} already done, {len(todo)} to run")
     for k, (point_id, point) in enumerate(todo, 1):
@@ -117,11 +168,22 @@ def run_study(
         settings = " ".join(f"{key}={point[key]}" for key in sorted(point) if key not in ("group", "mode"))
         progress(
             f"[{k}/{len(todo)}] {point['group']} ({point['mode']}) {settings}: test error "
-            f"{result['test_error']:.3f}, ⟨σ⟩ {result['staleness_mean']:.2f}, {time.monotonic() - started:.1f} s"
+            f"{fmt(result['test_error'])}, ⟨σ⟩ {result['staleness_mean']:.2f}, {time.monotonic() - started:.1f} s"
         )
     if report:
-        from .report import write_report
-
-        write_report(spec, spec_path, [r for r in load_results(results_path) if r["id"] in set(ids)], out)
+        write_report(spec, spec_path, [r for r in load_results(results_path, progress) if r["id"] in set(ids)], out)
         progress(f"report: {out / 'report.md'}")
     return out
+
+
+def _results_file(out: Path) -> Path:
+    """``out``/results.jsonl, the directory created and the file opened once for appending
+    now, so that an unusable output directory is a ConfigError before anything runs."""
+    path = out / "results.jsonl"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write the study's results in {out}: {exc.strerror or exc}") from None
+    return path
