@@ -54,6 +54,7 @@ def test_simulation_is_deterministic_and_staleness_follows_n():
     assert a["staleness_histogram"] == b["staleness_histogram"]
     assert a["test_accuracy"] == b["test_accuracy"] and a["loss_curve"] == b["loss_curve"]
     assert 2 <= a["staleness_mean"] <= 6
+    assert a["transport"] == "memory" and a["mode"] == "simulated"  # what ran, not the configuration's default
     hetero = run(simulate(cfg, heterogeneity=0.8))
     assert hetero["staleness_histogram"] != a["staleness_histogram"]  # uneven speeds change the order
 

@@ -199,6 +199,7 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
         results = summarize(cfg, server, dataset)
     return {
         **results,
+        "transport": "memory",  # what the simulation used, whatever the configuration says
         "mode": "simulated",
         "virtual_time": sched.now,
         "wall_s": time.monotonic() - started,
