@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import os
 import socket
 import ssl
@@ -87,12 +88,13 @@ def gradient_segments(grad: Gradient, lo: int = 0, hi: int | None = None) -> lis
 
 
 def scalar(stamp: Stamp) -> int:
-    """One server's clock: an int, or a one-element tuple (a group of one shard)."""
-    if isinstance(stamp, int):
-        return stamp
-    if len(stamp) == 1:
-        return stamp[0]
-    raise ValueError(f"one server has one clock, got {stamp!r}")
+    """One server's clock: a whole number (of any integer type), or a one-element tuple (a
+    group of one shard). TypeError or ValueError otherwise."""
+    if isinstance(stamp, (tuple, list)):
+        if len(stamp) != 1:
+            raise ValueError(f"one server has one clock, got {stamp!r}")
+        stamp = stamp[0]
+    return operator.index(stamp)
 
 
 def went_back(new: Stamp, old: Stamp) -> bool:
@@ -306,15 +308,20 @@ class Client:
         return self._weights(await self._request(MsgType.PUSH, meta, gradient_segments(grad)))
 
     def _push_meta(self, timestamp: Stamp, step: int, samples: int, pull: bool, loss: float | None) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "learner_id": self.learner_id,
-            "timestamp": scalar(timestamp),
-            "step": step,
-            "samples": samples,
-            "pull": pull,
-        }
-        if loss is not None:
-            meta["loss"] = float(loss)
+        """A PUSH's fields; whole numbers of any integer type (numpy's, a one-element integer
+        tensor) are sent as ints, anything else is RequestError ``bad_request``."""
+        try:
+            meta: dict[str, Any] = {
+                "learner_id": self.learner_id,
+                "timestamp": scalar(timestamp),
+                "step": operator.index(step),
+                "samples": operator.index(samples),
+                "pull": pull,
+            }
+            if loss is not None:
+                meta["loss"] = float(loss)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"bad push argument: {exc}", code="bad_request") from None
         return meta
 
     async def close(self) -> None:

@@ -7,6 +7,7 @@ Works on every Python the project supports (3.10+): no ``asyncio.Runner`` (3.11)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -58,7 +59,18 @@ class PrivateLoop:
         self.loop = new_event_loop()
 
     def run(self, main: Coroutine[Any, Any, T]) -> T:
-        return self.loop.run_until_complete(main)
+        """Drive ``main`` to its end. Interrupted (Ctrl-C while the loop waits), ``main`` is
+        cancelled and its cancellation run before the interruption is raised: it never
+        resumes under a later call."""
+        task = self.loop.create_task(main)
+        try:
+            return self.loop.run_until_complete(task)
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    self.loop.run_until_complete(task)
+            raise
 
     def close(self) -> None:
         """Cancel what is left on the loop and close it. Idempotent."""

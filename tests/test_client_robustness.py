@@ -111,3 +111,19 @@ def test_a_gradient_that_is_not_numpy_arrays_is_a_clear_error(make, named):
         with pytest.raises(RequestError, match=f"must be a numpy array or a sequence of numpy arrays, got {named}$"):
             client.push(make(layout.size), 0)
         assert client.push(np.zeros(layout.size, np.float32), 0).status == "applied"  # still usable
+
+
+def test_push_arguments_of_numpy_integer_types_are_sent_and_others_refused():
+    """``samples=np.int64(8)`` (what ``len`` of a numpy batch may give) is a whole number:
+    sent as one; a fractional count is refused before anything is sent."""
+    layout = small_layout()
+    with (
+        server_thread(protocol="async", lr=0.1, momentum=0.0, kernel="numpy") as ps,
+        SyncClient(ps.addresses[0], layout, initial_weights(layout)) as client,
+    ):
+        grad = np.zeros(layout.size, np.float32)
+        ack = client.push(grad, np.int64(0), step=np.int32(1), samples=np.int64(8), loss=np.float32(0.5))
+        assert ack.status == "applied" and ps.core.samples == 8
+        with pytest.raises(RequestError, match="bad push argument"):
+            client.push(grad, 1, samples=8.5)
+        assert client.push(grad, 1, samples=8).status == "applied"  # still usable

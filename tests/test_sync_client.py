@@ -1,6 +1,7 @@
 """The blocking client: the asyncio client's code on a blocking socket (tcp, shm) or on a
 private event loop (other transports), with the same results and the same errors."""
 
+import asyncio
 import os
 import socket
 import threading
@@ -161,3 +162,28 @@ def test_close_twice_is_harmless_and_a_closed_client_says_so():
                 client.close()
             with pytest.raises(ConnectionClosed):
                 client.pull()
+
+
+def test_an_interrupted_private_loop_cancels_its_coroutine_and_runs_the_next():
+    """Ctrl-C while a SyncClient's private loop waits cancels the request then and there (its
+    cancellation closes the connection), instead of leaving it to resume under the next call."""
+    from rudra_async.eventloop import PrivateLoop
+
+    private, cancelled = PrivateLoop(), []
+
+    async def waits():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    private.loop.call_later(0.01, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        private.run(waits())
+    assert cancelled == [True]
+    assert private.run(asyncio.sleep(0, "next")) == "next"
+    private.close()
