@@ -269,7 +269,9 @@ def test_a_model_on_the_gpu_trains_like_torch_sgd_on_the_gpu(overlap):
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(xb), yb).backward()
                 opt.step()
-                if not overlap:
+                if overlap:  # the gradient sent is let go of: the next backward starts from zero
+                    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+                else:
                     ref_opt.zero_grad()
                     nn.functional.cross_entropy(reference(xb), yb).backward()
                     ref_opt.step()
@@ -316,12 +318,14 @@ def test_a_learner_with_reconnect_trains_on_after_the_server_restarts(overlap):
         opt.close()
 
 
-def test_closing_an_overlapping_learner_leaves_the_model_on_the_newest_weights():
+@pytest.mark.parametrize("max_updates", [None, 5])
+def test_closing_an_overlapping_learner_leaves_the_model_on_the_newest_weights(max_updates):
     """With overlap the last exchange is still in flight when the loop ends: close() waits
-    for it and gives its weights to the model, so the model equals the server's weights."""
+    for it and gives its weights to the model, so the model equals the server's weights,
+    also when they are the run's last (they come with stop)."""
     model = nn.Linear(4, 2)
     x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
-    with server_thread(lr=0.1, kernel="numpy") as ps:
+    with server_thread(lr=0.1, kernel="numpy", max_updates=max_updates) as ps:
         opt = rt.DistributedOptimizer(model, ps.addresses[0], overlap=True)
         for _ in range(5):
             opt.zero_grad()
@@ -330,3 +334,54 @@ def test_closing_an_overlapping_learner_leaves_the_model_on_the_newest_weights()
         opt.close()
         assert ps.clock == 5 and opt.timestamp == 5
         np.testing.assert_array_equal(params_of(model)[0], ps.weights()["weight"])
+
+
+def test_an_overlapping_learner_whose_push_comes_after_the_run_ended_keeps_its_weights():
+    """Another learner ends the run while this one's exchange is in flight: the push is
+    refused (stopped) and brings no weights, so the next step() returns False and the model
+    stays on the weights it had, at their timestamp."""
+    from rudra_async import SyncClient
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with server_thread(protocol="async", lr=0.5, kernel="numpy", max_updates=3) as ps:
+        opt = rt.DistributedOptimizer(model, ps.addresses[0], overlap=True)
+        other = SyncClient(ps.addresses[0], opt.flat.layout)
+
+        def step() -> bool:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            return opt.step(samples=8)
+
+        assert step() and step()
+        opt._pending.result()  # the server is at 2 updates: this learner's exchange is done
+        at_two = other.pull().array.copy()
+        other.push(np.ones(opt.flat.layout.size, np.float32), 2)  # the 3rd update: the run is over
+        for expected in (True, False):  # takes the weights of update 2, its push is refused; then stops
+            assert step() == expected and opt.timestamp == 2
+            np.testing.assert_array_equal(np.concatenate([p.reshape(-1) for p in params_of(model)]), at_two)
+        opt.close()
+        other.close()
+        assert ps.clock == 3 and opt.timestamp == 2
+
+
+def test_a_device_models_gradient_once_sent_is_let_go_of_as_on_the_cpu():
+    """Overlap lets go of the gradient it sends, so the next backward starts from none: on
+    the CPU ``.grad`` becomes None; on a device it stays bound to the flat device buffer and
+    is zeroed (else the next backward adds to it). Checked on the CPU with the device classes
+    themselves; the GPU test checks it end to end."""
+    from rudra_async.learner.binding import FlatParameters, _DeviceGradients
+
+    model = nn.Linear(3, 2)
+    flat = FlatParameters(list(model.named_parameters()))
+    flat._device = _DeviceGradients(flat.params, flat.layout, flat.weights)  # as for a model on a GPU
+    x = torch.randn(4, 3)
+    sent = []
+    for _ in range(2):
+        model(x).sum().backward()
+        sent.append(flat.gradients()[0].copy())
+        flat.release_gradients()
+    np.testing.assert_array_equal(sent[1], sent[0])
+    assert all(not p.grad.any() for p in model.parameters())
+    flat.close()

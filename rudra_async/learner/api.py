@@ -23,14 +23,16 @@ with ``broadcast_buffers=False``; evaluate with the buffers of one learner, or r
 **Overlap** (the paper's "adv*"): with ``overlap=True`` the push and pull of step t run in
 a background thread while step t+1 computes on the weights already at hand; each gradient is
 then one more update stale. The weights are double-buffered and the exchange keeps the
-gradient tensors it sends (the parameters' ``.grad`` is None after such a step), so nothing
-is copied.
+gradient tensors it sends (the parameters' ``.grad`` is None after such a step; zero for a
+model on a device), so nothing is copied. A gradient the server refuses is raised by the
+next step(), once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import operator
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -40,8 +42,8 @@ import torch
 from torch import nn
 
 from ..client import Gradient, Stamp, SyncClient, Weights, went_back
-from ..errors import LearnerError, RemoteError, TransportError
-from .binding import FlatParameters
+from ..errors import LearnerError, RemoteError, TransportError, quoted
+from .binding import FlatParameters, sparse_gradients
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +76,15 @@ def trainable_parameters(
     return ordered, groups
 
 
+def refuse_sparse(model: nn.Module, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+    """Raise :class:`LearnerError` for a trained parameter of a layer that makes sparse
+    gradients (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``)."""
+    names = {id(p): n for n, p in named}
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and id(module.weight) in names:
+            raise sparse_gradients(names[id(module.weight)])
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer | None, welcome: dict[str, Any]) -> None:
     """The settings the server applies to every group must be the optimizer's."""
     if optimizer is None:
@@ -87,6 +98,31 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, welcome: dict[str, 
                 )
         if group.get("dampening", 0) != 0:
             raise LearnerError("the server's SGD has no dampening; build the optimizer with dampening=0")
+        if group.get("maximize", False):
+            raise LearnerError("the server's SGD minimizes the loss; build the optimizer with maximize=False")
+
+
+def as_samples(samples: Any) -> int:
+    """``samples`` as an int >= 0 (a numpy integer or a one-value integer tensor too), else
+    :class:`LearnerError`."""
+    try:
+        count = operator.index(samples)
+    except TypeError:
+        raise LearnerError(f"samples must be an integer, got {type(samples).__name__} {quoted(samples)}") from None
+    if count < 0:
+        raise LearnerError(f"samples must be >= 0, got {count}")
+    return count
+
+
+def as_loss(loss: Any) -> float | None:
+    """``loss`` as a float (None stays None): a number or a one-value tensor, else :class:`LearnerError`."""
+    if loss is None:
+        return None
+    try:
+        return float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+    except (TypeError, ValueError, RuntimeError):
+        shown = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else quoted(loss)
+        raise LearnerError(f"loss must be a number or a one-value tensor, got {shown}") from None
 
 
 class DistributedOptimizer:
@@ -116,6 +152,7 @@ class DistributedOptimizer:
         tls: ssl.SSLContext | None = None,
     ) -> None:
         named, groups = trainable_parameters(model, optimizer)
+        refuse_sparse(model, named)
         self.model = model
         self.flat = FlatParameters(named)
         self.reconnect = reconnect
@@ -125,11 +162,11 @@ class DistributedOptimizer:
         self._url = server if isinstance(server, str) else ",".join(server)
         # All client calls run in one thread: this one, or the background one when overlapping.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "rudra-exchange") if overlap else None
-        self._pending: concurrent.futures.Future[Weights] | None = None
+        self._pending: concurrent.futures.Future[Weights | None] | None = None
         self._reconnects_sent = 0  # self.reconnects when the pending exchange was started
-        cpu_overlap = overlap and self.flat.on_cpu
-        self._spare = torch.empty_like(self.flat.weights) if cpu_overlap else None  # the other weights buffer
         try:
+            cpu_overlap = overlap and self.flat.on_cpu
+            self._spare = torch.empty_like(self.flat.weights) if cpu_overlap else None  # the other weights buffer
             self.client = self._call(
                 lambda: SyncClient(
                     self._url,
@@ -157,17 +194,19 @@ class DistributedOptimizer:
     def step(self, loss: float | torch.Tensor | None = None, samples: int = 0) -> bool:
         """Push the gradient of the last backward pass, stamped with the weights it was
         computed on, and bring the next weights into the model. ``samples``: the mini-batch
-        size (the server's linear scaling rule and epoch schedule use it); ``loss``: reported
-        for the server's loss curve. Returns False once the server's run is over."""
+        size, an integer >= 0 (the server's linear scaling rule and epoch schedule use it);
+        ``loss``: a number or a one-value tensor, reported for the server's loss curve.
+        Returns False once the server's run is over. With overlap, a gradient the server
+        refused is raised (once) by the next step(), which then sends nothing."""
+        count, value = as_samples(samples), as_loss(loss)
         if self.stopped:
             return False
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         stamp, step = self.timestamp, self.steps
         self.steps += 1
         if self._worker is None:
-            self._arrived(self._exchange(self.flat.gradients(), stamp, step, samples, value))
+            self._arrived(self._exchange(self.flat.gradients(), stamp, step, count, value))
             return not self.stopped
-        return self._overlapped_step(stamp, step, samples, value)
+        return self._overlapped_step(stamp, step, count, value)
 
     def _overlapped_step(self, stamp: Stamp, step: int, samples: int, loss: float | None) -> bool:
         """Wait for the previous exchange, give the model the weights it brought, and start this
@@ -175,56 +214,62 @@ class DistributedOptimizer:
         use alternate weights buffers and the exchange keeps the gradient tensors, which the
         model lets go of (nothing is copied); on a device the exchange uses the host staging."""
         assert self._worker is not None
-        received = self._pending.result() if self._pending is not None else None
-        self._pending = None
+        first = self._pending is None
+        if not first:
+            self._take(self._last_exchange())
         grads = self.flat.gradients()  # the previous exchange is over: the staging buffers are free
-        if received is not None and self.reconnects != self._reconnects_sent:
-            # That exchange reached a new server (restarted, or resumed at an earlier clock): this
-            # gradient was computed on the lost server's weights and is lost with it, as the one
-            # in flight was; the model goes on from the new weights, as on the first step.
-            self._take_new_weights(received)
+        self.flat.release_gradients()  # the next backward cannot write into what is being sent
+        if first:
+            if self._spare is not None:  # the model goes on computing on the weights at hand
+                self._spare.copy_(self.flat.weights)
+                self._swap()
+        elif self.stopped or self.reconnects != self._reconnects_sent:
+            # Nothing more is sent: the run is over, or that exchange reached a new server
+            # (restarted, or resumed at an earlier clock): this gradient was computed on the lost
+            # server's weights and is lost with it, as the one in flight was; the model goes on
+            # from the new weights, as on the first step.
             return not self.stopped
-        receive_into = self.flat.host_weights
-        if self._spare is not None:  # CPU: swap the model onto the spare weights
-            sent_weights, spare_weights = self.flat.weights, self._spare
-            if received is None:  # first step: go on computing on the weights at hand
-                spare_weights.copy_(sent_weights)
-            self.flat.bind(spare_weights)
-            self._spare = sent_weights
-            receive_into = sent_weights.numpy()  # the weights the model no longer uses
-            self.flat.release_gradients()  # the next backward cannot write into what is being sent
-        if received is not None:
-            self._arrived(received, wait=True)  # the next exchange reuses the host staging
-            if self.stopped:
-                return False
+        receive_into = self.flat.host_weights if self._spare is None else self._spare.numpy()
         self._reconnects_sent = self.reconnects
         self._pending = self._worker.submit(self._send_from, grads, receive_into, stamp, step, samples, loss)
         return True
 
-    def _take_new_weights(self, received: Weights) -> None:
-        """Overlap: give the model the weights an exchange brought (on the CPU they are in the
-        spare buffer), with no exchange started."""
+    def _last_exchange(self) -> Weights | None:
+        """Wait for the exchange in flight and forget it: its error is raised once."""
+        assert self._pending is not None
+        pending, self._pending = self._pending, None
+        return pending.result()
+
+    def _swap(self) -> None:
+        """Overlap on the CPU: the model moves onto the spare weights buffer, and the one it
+        leaves becomes the spare (on a device, weights always arrive in the host staging)."""
         if self._spare is not None:
-            self.flat.release_gradients()
-            received_into, self._spare = self._spare, self.flat.weights
-            self.flat.bind(received_into)
+            self._spare, weights = self.flat.weights, self._spare
+            self.flat.bind(weights)
+
+    def _take(self, received: Weights | None) -> None:
+        """Overlap: the model takes the weights an exchange brought (on the CPU it moves onto the
+        spare buffer they came into); None (none came) leaves it and its timestamp as they are."""
+        if received is not None:
+            self._swap()
         self._arrived(received, wait=True)
 
     def _send_from(
         self, grads: Gradient, weights_in: np.ndarray, stamp: Stamp, step: int, samples: int, loss: float | None
-    ) -> Weights:
+    ) -> Weights | None:
         self.client.set_weights_buffer(weights_in)
         return self._exchange(grads, stamp, step, samples, loss)
 
-    def _exchange(self, grads: Gradient, stamp: Stamp, step: int, samples: int, loss: float | None) -> Weights:
-        """push+pull, surviving a lost server for ``reconnect`` seconds (the gradient is then lost)."""
+    def _exchange(self, grads: Gradient, stamp: Stamp, step: int, samples: int, loss: float | None) -> Weights | None:
+        """push+pull, surviving a lost server for ``reconnect`` seconds (the gradient is then
+        lost). None: the push was refused because the run is over, and no weights came."""
         try:
             weights = self.client.push_pull(grads, stamp, step, samples, loss)
             self.pushes += 1
             return weights
         except RemoteError as exc:
             if exc.code == "stopped":
-                return Weights(stamp, self.client.weights, True)
+                return None
             raise
         except TransportError as exc:
             if not self.reconnect:
@@ -241,7 +286,11 @@ class DistributedOptimizer:
                                 stamp, weights.timestamp)  # fmt: skip
             return weights
 
-    def _arrived(self, weights: Weights, wait: bool = False) -> None:
+    def _arrived(self, weights: Weights | None, wait: bool = False) -> None:
+        """Note the weights that came (None: none did, the run is over)."""
+        if weights is None:
+            self.stopped = True
+            return
         self.timestamp: Stamp = weights.timestamp
         self.stopped = weights.stop
         self.flat.load(wait)
@@ -256,15 +305,14 @@ class DistributedOptimizer:
         return self.client.learner_id
 
     def close(self) -> None:
-        """Finish an exchange in flight, say bye and close. Idempotent."""
+        """Finish an exchange in flight, say bye and close; the model keeps the newest weights
+        and loses this optimizer's hooks. Idempotent."""
+        self.flat.close()
         if self._pending is not None:
             try:
-                last = self._pending.result()
-                if not last.stop:  # weights came (a push refused because the run is over brings none)
-                    self._take_new_weights(last)  # the model ends on the newest weights
+                self._take(self._last_exchange())  # the model ends on the newest weights, if any came
             except Exception as exc:  # the last exchange failed; closing goes on
                 log.warning("the last exchange failed while closing: %s", exc)
-            self._pending = None
         client = getattr(self, "client", None)
         if client is not None:
             self._call(client.close)

@@ -15,6 +15,7 @@ allocated per step but the gradients backward creates.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,12 +25,21 @@ from ..errors import LearnerError
 from ..layout import Layout
 
 
+def sparse_gradients(name: str) -> LearnerError:
+    """The error for a parameter whose gradient is sparse."""
+    return LearnerError(
+        f"parameter {name!r} gets sparse gradients, which rudra-async does not support "
+        "(build its layer with sparse=False)"
+    )
+
+
 class FlatParameters:
     """``named`` parameters (in this order; all float32, on one device) bound to flat buffers.
 
     ``host_weights`` receives pulled weights (on the CPU, the model's own memory);
-    :meth:`gradients` gives what to push. Every parameter must get a gradient from each
-    backward pass; one that did not is reported by name (an unused layer: freeze it).
+    :meth:`gradients` gives what to push. Every parameter must get a dense gradient from
+    each backward pass; one that did not is reported by name (an unused layer: freeze it).
+    :meth:`close` removes the hooks put on the parameters (they never hold this object).
     """
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
@@ -47,13 +57,14 @@ class FlatParameters:
         self.weights = torch.empty(self.layout.size, dtype=torch.float32, device=self.device)
         for p, t in zip(self.params, self.layout.tensors):
             self.weights[t.offset : t.offset + t.size].copy_(p.detach().reshape(-1))
-        self._touched = [False] * len(self.params)
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self._touch(i))
         self._device: _DeviceGradients | None = None
         if self.device.type != "cpu":
             self._device = _DeviceGradients(self.params, self.layout, self.weights)
         self.bind(self.weights)
+        self._touched = [False] * len(self.params)  # set by the hooks, which hold only this list
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(partial(_touch, self._touched, i)) for i, p in enumerate(self.params)
+        ]
 
     @property
     def on_cpu(self) -> bool:
@@ -72,7 +83,7 @@ class FlatParameters:
     def zero_grad(self) -> None:
         """Clear the gradients for the next backward (on the CPU: ``.grad = None``, as
         torch's ``zero_grad`` does; on a device: zero the bound flat gradient)."""
-        self._touched = [False] * len(self.params)
+        self._untouch()
         if self._device:
             self._device.zero_grad()
             return
@@ -90,17 +101,21 @@ class FlatParameters:
                 f"no gradient for parameter(s) {', '.join(missing)} in this step: a layer the loss does not "
                 "depend on (freeze it with requires_grad_(False)), or backward() was not called"
             )
-        self._touched = [False] * len(self.params)
+        self._untouch()
         if self._device:
             return [self._device.to_host()]
-        return [_host_part(p.grad) for p in self.params]
+        return [_host_part(n, p.grad) for n, p in zip(self.names, self.params)]
 
     def release_gradients(self) -> None:
-        """Let go of the gradients just taken (CPU: ``.grad = None``), so the next backward
-        writes new tensors and cannot change the ones still being sent."""
-        if not self._device:
-            for p in self.params:
-                p.grad = None
+        """Let go of the gradients just taken, so the next backward starts from none: on the
+        CPU ``.grad = None`` (the next backward writes new tensors and cannot change the ones
+        still being sent); on a device the bound gradient is zeroed (what is sent is in host
+        staging already)."""
+        if self._device:
+            self._device.zero_grad()
+            return
+        for p in self.params:
+            p.grad = None
 
     def load(self, wait: bool = False) -> None:
         """Move what arrived in :attr:`host_weights` into the model (nothing to do on the CPU).
@@ -108,13 +123,25 @@ class FlatParameters:
         if self._device:
             self._device.copier.to_device(self.weights, wait)
 
-    def _touch(self, index: int) -> None:
-        self._touched[index] = True
+    def close(self) -> None:
+        """Remove the hooks put on the parameters. Idempotent."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _untouch(self) -> None:
+        self._touched[:] = [False] * len(self.params)  # in place: the hooks hold this list
 
 
-def _host_part(grad: torch.Tensor | None) -> np.ndarray:
+def _touch(touched: list[bool], index: int, _: nn.Parameter) -> None:
+    touched[index] = True
+
+
+def _host_part(name: str, grad: torch.Tensor | None) -> np.ndarray:
     """A CPU parameter's gradient as a flat float32 array (a view unless it is not contiguous)."""
     assert grad is not None  # the post-accumulate hook saw it
+    if grad.layout != torch.strided:
+        raise sparse_gradients(name)
     return grad.detach().contiguous().reshape(-1).numpy()
 
 

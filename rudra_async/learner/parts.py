@@ -5,9 +5,11 @@ user's own as ``module:function``, imported from the current directory or ``PYTH
 
 - ``--model module:fn``: ``fn()`` returns an ``nn.Module``;
 - ``--data module:fn``: ``fn()`` returns a ``DataLoader`` or any iterable of ``(input,
-  target)`` batches; it is passed ``index`` (this learner's), ``learners`` (how many the
-  job has), ``batch_size`` (``--batch-size``) and ``seed`` when it declares parameters of
-  those names, so it can give each learner its shard;
+  target)`` batches of tensors or numpy arrays (without a length when len() raises
+  TypeError, as a ``DataLoader`` over an ``IterableDataset`` does); it is passed ``index``
+  (this learner's), ``learners`` (how many the job has), ``batch_size`` (``--batch-size``)
+  and ``seed`` when it declares parameters of those names, so it can give each learner its
+  shard;
 - ``--loss module:fn``: ``fn(output, target)`` returns a scalar tensor.
 
 Every failure is a one-line :class:`~rudra_async.errors.LearnerError` naming what was
@@ -147,8 +149,21 @@ def load_parts(opts: LearnerOptions, index: int = 0, learners: int = 1) -> Parts
     )
     if not isinstance(data, Iterable):
         raise LearnerError(f"data function {opts.data!r} returned {type(data).__name__}, not an iterable of batches")
-    size = len(data) if isinstance(data, Sized) else None
-    return Parts(model.to(device), _user_batches(data, opts.data, device), loss, size, None)
+    return Parts(model.to(device), _user_batches(data, opts.data, device), loss, _length(data, opts.data), None)
+
+
+def _length(data: Iterable[Any], spec: str) -> int | None:
+    """How many batches one pass over ``data`` gives; None when it has no length (e.g. a
+    ``DataLoader`` over an ``IterableDataset``, which is ``Sized`` but whose len() raises
+    TypeError)."""
+    if not isinstance(data, Sized):
+        return None
+    try:
+        return len(data)
+    except TypeError:
+        return None
+    except Exception as exc:
+        raise LearnerError(f"data {spec!r}: len() raised {type(exc).__name__}: {exc}") from None
 
 
 def _builtin(name: str) -> datasets.Dataset:
@@ -199,8 +214,23 @@ def _user_batches(data: Iterable[Any], spec: str, device: torch.device) -> Calla
                         f"data {spec!r} gave a {type(batch).__name__}; each batch must be (input, target)"
                     )
                 seen += 1
-                yield batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+                yield _on_device(batch[0], spec, device), _on_device(batch[1], spec, device)
             if not seen:
                 raise LearnerError(f"data {spec!r} gave no batch" + (f" in pass {epoch + 1}" if epoch else ""))
 
     return batches
+
+
+def _on_device(value: Any, spec: str, device: torch.device) -> torch.Tensor:
+    """A batch's input or target as a tensor on ``device``: a tensor, or a numpy array (converted)."""
+    if isinstance(value, np.ndarray):
+        try:
+            value = torch.as_tensor(value)
+        except TypeError as exc:
+            raise LearnerError(f"data {spec!r} gave a numpy array torch cannot hold: {exc}") from None
+    if not isinstance(value, torch.Tensor):
+        raise LearnerError(
+            f"data {spec!r} gave a batch part of type {type(value).__name__}; input and target must be "
+            "tensors or numpy arrays"
+        )
+    return value.to(device, non_blocking=True)

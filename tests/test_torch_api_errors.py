@@ -1,0 +1,200 @@
+"""The PyTorch API's errors and what it leaves behind: bad input to step(), optimizer settings
+and layers the server cannot run, a refused gradient with and without overlap, the user's
+--data parts, and the hooks and buffers of an optimizer that failed or closed. Real servers
+on loopback, learners in the test's thread."""
+
+import gc
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from helpers import free_port, server_thread
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+import rudra_async.torch as rt
+from rudra_async.config import LearnerConfig, LearnerOptions
+from rudra_async.errors import ConnectError, LearnerError, RemoteError
+from rudra_async.learner.binding import FlatParameters
+from rudra_async.learner.loop import run_learner
+
+pytestmark = pytest.mark.torch
+
+
+def backward(model: nn.Module, scale: float = 1.0) -> None:
+    """One backward pass of ``model`` (4 inputs, 2 classes) on a fixed batch of 8."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+    (nn.functional.cross_entropy(model(x), y) * scale).backward()
+
+
+def test_step_takes_numpy_and_torch_numbers_for_samples_and_loss():
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        model = nn.Linear(4, 2)
+        with rt.DistributedOptimizer(model, ps.addresses[0]) as opt:
+            for samples, loss in ((np.int64(8), np.float32(0.5)), (torch.tensor(4), torch.tensor([0.25]))):
+                opt.zero_grad()
+                backward(model)
+                assert opt.step(loss=loss, samples=samples)
+        stats = ps.stats()
+    assert stats["samples"] == 12 and [loss for _, loss in stats["loss_curve"]] == [0.5, 0.25]
+
+
+def test_bad_samples_or_loss_are_learner_errors_and_the_gradient_can_still_be_sent():
+    bad = [
+        ({"samples": 8.0}, "samples must be an integer, got float 8.0"),
+        ({"samples": torch.tensor(8.0)}, "samples must be an integer, got Tensor"),
+        ({"samples": -1}, "samples must be >= 0, got -1"),
+        ({"loss": torch.ones(8)}, r"loss must be a number or a one-value tensor, got a tensor of shape \[8\]"),
+        ({"loss": "low"}, "loss must be a number or a one-value tensor, got 'low'"),
+    ]
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        model = nn.Linear(4, 2)
+        with rt.DistributedOptimizer(model, ps.addresses[0]) as opt:
+            opt.zero_grad()
+            backward(model)
+            for kwargs, message in bad:
+                with pytest.raises(LearnerError, match=message):
+                    opt.step(**kwargs)
+            assert ps.clock == 0
+            assert opt.step(samples=8) and ps.clock == 1
+
+
+def test_settings_and_layers_the_server_cannot_run_are_refused_before_any_gradient():
+    """maximize=True (the server minimizes) and sparse gradients (the wire carries dense
+    ones): a sparse embedding is refused before the learner says hello; a sparse gradient
+    from elsewhere when step() meets it."""
+
+    class SparseLookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(10, 2))
+
+        def forward(self, index: torch.Tensor) -> torch.Tensor:
+            return nn.functional.embedding(index, self.table, sparse=True)
+
+    with server_thread(protocol="async", lr=0.1, momentum=0.0, kernel="numpy") as ps:
+        embedding = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        with pytest.raises(LearnerError, match=r"parameter '0\.weight' gets sparse gradients, which rudra-async"):
+            rt.DistributedOptimizer(embedding, ps.addresses[0])
+        assert ps.stats()["learners"] == {}
+        plain = nn.Linear(4, 2)
+        with pytest.raises(LearnerError, match="the server's SGD minimizes the loss; build the optimizer with maxim"):
+            rt.DistributedOptimizer(plain, ps.addresses[0], torch.optim.SGD(plain.parameters(), 0.1, maximize=True))
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        lookup = SparseLookup()
+        with rt.DistributedOptimizer(lookup, ps.addresses[0]) as opt:
+            lookup(torch.tensor([1, 2])).sum().backward()
+            with pytest.raises(LearnerError, match="parameter 'table' gets sparse gradients"):
+                opt.step(samples=2)
+        assert ps.clock == 0 and ps.stats()["gradients"] == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_refused_gradient_is_raised_once_and_training_goes_on(overlap):
+    """A NaN gradient is refused (bad_gradient). Without overlap its step() raises; with
+    overlap the next one does (it waits for that exchange), once, and sends nothing itself.
+    Either way the later steps train on and the model ends on the server's weights."""
+    raised_at = 2 if overlap else 1
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = rt.DistributedOptimizer(model, ps.addresses[0], overlap=overlap)
+        outcomes = []
+        for i in range(6):
+            opt.zero_grad()
+            backward(model, float("nan") if i == 1 else 1.0)
+            try:
+                outcomes.append(opt.step(samples=8))
+            except RemoteError as exc:
+                outcomes.append(exc.code)
+        opt.close()
+        assert outcomes == [True] * raised_at + ["bad_gradient"] + [True] * (5 - raised_at)
+        assert ps.clock == opt.timestamp == (4 if overlap else 5)
+        np.testing.assert_array_equal(model.weight.detach().numpy(), ps.weights()["weight"])
+
+
+def test_an_optimizer_that_failed_or_closed_leaves_no_hooks_and_no_buffers():
+    """Every DistributedOptimizer hooks the model's parameters and binds them to a flat buffer
+    of its own. One whose server is not up, or that is closed, must take its hooks away and
+    let its buffers go once the model is bound to another's (a retry loop, a re-created one)."""
+
+    def hooks(model: nn.Module) -> int:
+        return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+    def alive() -> set[int]:
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if type(o) is FlatParameters}
+
+    model = nn.Linear(64, 64)
+    before = alive()
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    for _ in range(3):
+        with pytest.raises(ConnectError):
+            rt.DistributedOptimizer(model, nobody, timeout=1)
+    assert hooks(model) == 0 and not alive() - before
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        for overlap in (False, True):
+            with rt.DistributedOptimizer(model, ps.addresses[0], overlap=overlap) as opt:
+                assert hooks(model) == 2
+                opt.zero_grad()
+                model(torch.ones(1, 64)).sum().backward()
+                assert opt.step(samples=1)
+            assert hooks(model) == 0
+        del opt
+        with rt.DistributedOptimizer(model, ps.addresses[0]) as last:
+            assert alive() - before == {id(last.flat)} and hooks(model) == 2  # the two closed ones are gone
+        assert ps.clock == 2
+
+
+class Stream(IterableDataset):
+    """A streaming source: a DataLoader over it has no length."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(32):
+            x = torch.randn(4, generator=g)
+            yield x, int(x.sum() > 0)
+
+
+def user_parts(monkeypatch, **data) -> None:
+    """A module ``userparts`` with ``model`` and the given data functions, as --model/--data import it."""
+    module = types.ModuleType("userparts")
+    module.model = lambda: nn.Linear(4, 2)
+    for name, fn in data.items():
+        setattr(module, name, fn)
+    monkeypatch.setitem(sys.modules, "userparts", module)
+
+
+def learn(url: str, data: str, **config) -> dict:
+    """run_learner (the learner command) in this process, with this process's torch threads kept."""
+    threads = torch.get_num_threads()
+    options = LearnerOptions(model="userparts:model", data=data, batch_size=8, steps=config.pop("steps", None))
+    try:
+        return run_learner(LearnerConfig(connect=url, options=options, **config))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_user_data_without_length_or_of_numpy_batches_trains_and_bad_batches_are_named(monkeypatch):
+    """--data may give a DataLoader over an IterableDataset (no length: --steps counts) or
+    numpy batches; a batch of anything else is a one-line LearnerError naming it."""
+    rng = np.random.default_rng(0)
+    numpy_batches = [(rng.standard_normal((8, 4), dtype=np.float32), rng.integers(0, 2, 8)) for _ in range(3)]
+    user_parts(
+        monkeypatch,
+        stream=lambda batch_size: DataLoader(Stream(), batch_size=batch_size),
+        numpy_batches=lambda: numpy_batches,
+        lists=lambda: [([0.0] * 4, [1])],
+    )
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        url = ps.addresses[0]
+        assert learn(url, "userparts:stream", steps=5)["steps"] == 5
+        with pytest.raises(LearnerError, match="data 'userparts:stream' has no length, so passes cannot be counted"):
+            learn(url, "userparts:stream", passes=1.0)
+        assert learn(url, "userparts:numpy_batches", passes=2.0)["steps"] == 6
+        with pytest.raises(LearnerError, match="data 'userparts:lists' gave a batch part of type list; input and"):
+            learn(url, "userparts:lists", steps=1)
+        assert ps.clock == 11
