@@ -197,7 +197,13 @@ def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, as_json: bo
 
 @main.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
-@click.option("--output", "-o", default=None, help="Directory for results.jsonl and the report (default: the spec's).")
+@click.option(
+    "--output",
+    "-o",
+    default=None,
+    help="Directory for results.jsonl and the report (default: the spec's [study] output, "
+    "else study-output in the current directory).",
+)
 @click.option("--no-report", is_flag=True, help="Only run the points.")
 def study(spec: str, output: str | None, no_report: bool) -> None:
     """Run a study spec (TOML): every point as a run, resumable, then a Markdown report with plots."""
