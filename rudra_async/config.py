@@ -429,3 +429,12 @@ class LaunchConfig:
 
     #: settings of the nested configurations that a launch decides itself (per rank)
     SET_BY_RUN: ClassVar[tuple[str, ...]] = (*ServerConfig.PER_SERVER, "samples_per_epoch")
+
+    def validate(self) -> LaunchConfig:
+        """The settings alone; the rank, world size and rendezvous directory are checked when
+        the launch reads its environment (:func:`rudra_async.runs.launch.resolve`)."""
+        check_ranges(self)
+        self.server.validate().check_shards(self.servers)
+        check_tls_pair(self.server, self.tls_ca)
+        self.learner.validate()
+        return self

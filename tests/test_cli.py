@@ -112,6 +112,7 @@ def test_port_in_use_fails_at_once():
         (["server", "--listen", "tcp://[::1:7000"], "address 'tcp://[::1:7000' is not a URL"),
         (["server", "--listen", "tcp://127.0.0.1:7000/x"], "has more than a host and a port"),
         (["train", "--learners", "0"], "--learners must be >= 1, got 0"),
+        (["launch", "--rendezvous", "/tmp", "--servers", "0", "--show-config"], "--servers must be >= 1, got 0"),
         (["train", "--results", "/nonexistent-dir/r.json"], "cannot write results to /nonexistent-dir/r.json"),
         (["train", "--transport", "memory"], "cannot reach learner processes"),
         (["train", "--transport", "pigeon"], "no transport for scheme"),

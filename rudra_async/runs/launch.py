@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..config import LaunchConfig, LearnerConfig, check_tls_pair
+from ..config import LaunchConfig, LearnerConfig
 from ..errors import ConfigError, RudraError
 from ..layout import Shard
 from ..transports.base import format_host_port, parse_host_port
@@ -71,10 +71,7 @@ def resolve(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> LaunchCon
         raise ConfigError(f"rank {cfg.rank} is outside a world of {cfg.world_size}")
     if not os.path.isdir(cfg.rendezvous):
         raise ConfigError(f"rendezvous directory {cfg.rendezvous} does not exist (it must be shared by all tasks)")
-    cfg.server.validate().check_shards(cfg.servers)
-    check_tls_pair(cfg.server, cfg.tls_ca)
-    cfg.learner.validate()
-    return cfg
+    return cfg.validate()
 
 
 def learners_of(cfg: LaunchConfig) -> int:
