@@ -4,7 +4,9 @@ and layers the server cannot run, a refused gradient with and without overlap, t
 on loopback, learners in the test's thread."""
 
 import gc
+import signal
 import sys
+import threading
 import types
 
 import numpy as np
@@ -198,3 +200,54 @@ def test_user_data_without_length_or_of_numpy_batches_trains_and_bad_batches_are
         with pytest.raises(LearnerError, match="data 'userparts:lists' gave a batch part of type list; input and"):
             learn(url, "userparts:lists", steps=1)
         assert ps.clock == 11
+
+
+def test_ctrl_c_while_an_overlapped_step_waits_leaves_the_exchange_in_flight():
+    """Ctrl-C while step() waits for the exchange in flight interrupts the wait, not the
+    exchange: the next step() waits for it again and takes its weights (else the model would
+    be moved onto the buffer that exchange still receives into)."""
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        model = nn.Linear(4, 2)
+        with rt.DistributedOptimizer(model, ps.addresses[0], overlap=True) as opt:
+            release, exchange = threading.Event(), opt.client.push_pull
+            opt.client.push_pull = lambda *a, **k: (release.wait(10), exchange(*a, **k))[1]
+            backward(model)
+            assert opt.step(samples=8)  # the first step only starts its exchange
+            main = threading.main_thread().ident
+            threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+            opt.zero_grad()
+            backward(model)
+            with pytest.raises(KeyboardInterrupt):
+                opt.step(samples=8)  # waits for the first exchange, which is held
+            release.set()
+            assert opt.step(samples=8) and opt.timestamp == 1  # the first exchange's weights (clock 1)
+        assert opt.timestamp == 2  # closing took the last exchange's: the server's own (one learner)
+        np.testing.assert_array_equal(opt.flat.weights.numpy(), ps.core.store.weights)
+
+
+def test_an_overlapped_device_step_takes_its_gradient_before_new_weights_reach_the_model():
+    """On a device the new weights are copied in only after the gradient is taken (taking it
+    waits for the backward, which reads the weights). Checked on the CPU with the device
+    classes themselves, by the order of their copies."""
+    from rudra_async.learner.binding import _DeviceGradients
+
+    copies = []
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        model = nn.Linear(4, 2)
+        with rt.DistributedOptimizer(model, ps.addresses[0], overlap=True) as opt:
+            flat = opt.flat
+            flat._device = _DeviceGradients(flat.params, flat.layout, flat.weights)  # as for a model on a GPU
+            opt._spare = None  # on a device the weights arrive in the host staging
+            opt._call(lambda: opt.client.set_weights_buffer(flat.host_weights))
+            copier = flat._device.copier
+            to_host, to_device = copier.to_host, copier.to_device
+            copier.to_host = lambda g: (copies.append("gradient out"), to_host(g))[1]
+            copier.to_device = lambda w, wait: (copies.append("weights in"), to_device(w, wait))[1]
+            for _ in range(3):
+                opt.zero_grad()
+                backward(model)
+                copies.append("step")
+                opt.step(samples=8)
+            copies.append("close")  # which takes the last exchange's weights
+    steps = " ".join(copies).split(" close")[0].split("step")[1:]
+    assert [s.split() for s in steps] == [["gradient", "out"]] + [["gradient", "out", "weights", "in"]] * 2

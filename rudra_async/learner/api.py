@@ -215,9 +215,12 @@ class DistributedOptimizer:
         model lets go of (nothing is copied); on a device the exchange uses the host staging."""
         assert self._worker is not None
         first = self._pending is None
+        received = None if first else self._last_exchange()  # a refusal is raised here, once
+        # The previous exchange is over: the staging buffers are free. The gradient is taken before
+        # new weights reach the model: on a device, taking it waits for the backward that reads them.
+        grads = self.flat.gradients()
         if not first:
-            self._take(self._last_exchange())
-        grads = self.flat.gradients()  # the previous exchange is over: the staging buffers are free
+            self._take(received)
         self.flat.release_gradients()  # the next backward cannot write into what is being sent
         if first:
             if self._spare is not None:  # the model goes on computing on the weights at hand
@@ -235,10 +238,15 @@ class DistributedOptimizer:
         return True
 
     def _last_exchange(self) -> Weights | None:
-        """Wait for the exchange in flight and forget it: its error is raised once."""
-        assert self._pending is not None
-        pending, self._pending = self._pending, None
-        return pending.result()
+        """Wait for the exchange in flight and forget it once it is over: its error is raised
+        once; an interrupted wait (Ctrl-C) leaves it in flight, to be waited for again."""
+        pending = self._pending
+        assert pending is not None
+        try:
+            return pending.result()
+        finally:
+            if pending.done():
+                self._pending = None
 
     def _swap(self) -> None:
         """Overlap on the CPU: the model moves onto the spare weights buffer, and the one it

@@ -140,9 +140,12 @@ def _touch(touched: list[bool], index: int, _: nn.Parameter) -> None:
 def _host_part(name: str, grad: torch.Tensor | None) -> np.ndarray:
     """A CPU parameter's gradient as a flat float32 array (a view unless it is not contiguous)."""
     assert grad is not None  # the post-accumulate hook saw it
-    if grad.layout != torch.strided:
-        raise sparse_gradients(name)
-    return grad.detach().contiguous().reshape(-1).numpy()
+    try:
+        return grad.detach().contiguous().reshape(-1).numpy()
+    except RuntimeError:
+        if grad.layout != torch.strided:  # asked only here: nothing on the common path
+            raise sparse_gradients(name) from None
+        raise
 
 
 class _DeviceGradients:
