@@ -182,3 +182,31 @@ def test_a_stopped_train_writes_its_checkpoint_and_leaves_no_process(tmp_path, g
     while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in below if _alive(pid)]
+
+
+def test_a_signal_after_the_learners_ended_still_writes_the_checkpoint_and_says_so(tmp_path, monkeypatch):
+    """SIGTERM while the run evaluates its model (its learners are done) is not lost and does
+    not cut the shutdown short: the servers close, writing the final checkpoint, and the run
+    ends with the error naming the signal."""
+    import dataclasses
+
+    from rudra_async.config import TrainConfig
+    from rudra_async.errors import RudraError
+    from rudra_async.eventloop import run
+    from rudra_async.runs import train
+
+    evaluate = train.summarize
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by the run's loop once this returns
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train, "summarize", interrupted)
+    ckpt = tmp_path / "run.ckpt"
+    base = TrainConfig()
+    cfg = dataclasses.replace(
+        base, learners=1, updates=10, server=dataclasses.replace(base.server, checkpoint=str(ckpt))
+    )
+    with pytest.raises(RudraError, match="the run was stopped by SIGTERM"):
+        run(train.train(cfg))
+    assert checkpoint.load(ckpt).clock == 10

@@ -65,16 +65,22 @@ class LearnerGroup:
     async def run(self, timeout: float) -> list[dict[str, Any]]:
         """Start every learner, wait for all to end (killing them past ``timeout`` seconds),
         and return the summaries of those that succeeded, in index order."""
-        for p in self.procs:
-            await asyncio.to_thread(p.start)  # the first start waits for the fork server's imports
         deadline = asyncio.get_running_loop().time() + timeout
+        starting: asyncio.Future[None] | None = None
         try:
+            for p in self.procs:
+                starting = asyncio.ensure_future(asyncio.to_thread(p.start))
+                await asyncio.shield(starting)  # the first start waits for the fork server's imports
             while any(p.exitcode is None for p in self.procs):
                 if asyncio.get_running_loop().time() > deadline:
                     raise RudraError(f"the run did not finish within {timeout:g} s; learners were stopped")
                 await asyncio.sleep(0.05)
         finally:
-            self.kill()
+            try:
+                if starting is not None:
+                    await asyncio.wait([starting])  # a start under way (cancelled meanwhile) ends first
+            finally:
+                self.kill()
         summaries: dict[int, dict[str, Any]] = {}
         while True:
             try:

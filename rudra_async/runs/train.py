@@ -8,9 +8,9 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from ..errors import RudraError
 from ..layout import Shard
 from ..server import ParameterServer
 from .learners import LearnerGroup, warm_up
+
+T = TypeVar("T")
 
 
 def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[LearnerConfig]:
@@ -59,34 +61,31 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     if secret is None:  # a run authenticates its own learners even on loopback (other users share this host)
         generated = secrets.token_hex(32)
         secret = generated.encode()
-    async with contextlib.AsyncExitStack() as stack:
-        stopped_by = stack.enter_context(_stopped_by_signals())
-        servers = [
-            await stack.enter_async_context(
-                ParameterServer(cfg.server_config(cfg.listen_url(), n_train, Shard(i, cfg.shards)), secret=secret)
-            )
-            for i in range(cfg.shards)
-        ]
-        server = servers[0]  # progress, statistics and timing come from shard 0
-        group = LearnerGroup(learner_configs(cfg, ",".join(s.addresses[0] for s in servers), steps), generated)
-        ticker = asyncio.create_task(_report_progress(server, started, progress)) if progress else None
-        try:
-            summaries = await group.run(cfg.timeout)
-        except asyncio.CancelledError:
-            if not stopped_by:
-                raise
-            await stack.aclose()  # the learners are stopped; the servers close, writing the final checkpoint
-            raise RudraError(f"the run was stopped by {stopped_by[0].name}") from None
-        finally:
-            if ticker:
-                ticker.cancel()
-        wall = time.monotonic() - started
-        failed = group.failed
-        if len(failed) == cfg.learners:
-            raise RudraError(f"every learner failed (exit codes {group.exit_codes})")
-        train_s = (server.core.last_update_at or started) - (server.core.first_update_at or started)
-        weights = np.concatenate([s.core.store.weights for s in servers])  # type: ignore[union-attr]
-        results = summarize(cfg, server, dataset, weights)
+    with _SignalStop() as stop:
+        async with contextlib.AsyncExitStack() as stack:
+            servers = [
+                await stack.enter_async_context(
+                    ParameterServer(cfg.server_config(cfg.listen_url(), n_train, Shard(i, cfg.shards)), secret=secret)
+                )
+                for i in range(cfg.shards)
+            ]
+            server = servers[0]  # progress, statistics and timing come from shard 0
+            group = LearnerGroup(learner_configs(cfg, ",".join(s.addresses[0] for s in servers), steps), generated)
+            ticker = asyncio.create_task(_report_progress(server, started, progress)) if progress else None
+            try:
+                summaries = await stop.interruptible(group.run(cfg.timeout))
+            finally:
+                if ticker:
+                    ticker.cancel()
+            stop.raise_if_received()  # the stack closes the servers, writing the final checkpoint
+            wall = time.monotonic() - started
+            failed = group.failed
+            if len(failed) == cfg.learners:
+                raise RudraError(f"every learner failed (exit codes {group.exit_codes})")
+            train_s = (server.core.last_update_at or started) - (server.core.first_update_at or started)
+            weights = np.concatenate([s.core.store.weights for s in servers])  # type: ignore[union-attr]
+            results = summarize(cfg, server, dataset, weights)
+        stop.raise_if_received()  # one that came while the results were made or the servers closed
     return {
         **results,
         "mode": "processes",
@@ -99,32 +98,56 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     }
 
 
-@contextlib.contextmanager
-def _stopped_by_signals() -> Iterator[list[signal.Signals]]:
-    """While in the block, SIGINT and SIGTERM cancel the current task (the run) once, so that
-    it stops its learners and closes its servers (a final checkpoint is written) instead of
-    the process dying with its learners left running; yields the signals received. Does
-    nothing off the main thread (signals reach only that one)."""
-    received: list[signal.Signals] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-    loop, task = asyncio.get_running_loop(), asyncio.current_task()
-    assert task is not None
+class _SignalStop:
+    """While entered (on the main thread), SIGINT and SIGTERM are recorded and cancel the work
+    :meth:`interruptible` runs (the learners), so that a run stops in order: its learners
+    stopped, its servers closed (writing the final checkpoint), then :meth:`raise_if_received`
+    says so. Without it, SIGTERM killed the process with its learners left running. Off the
+    main thread (which alone gets signals) it does nothing."""
 
-    def stop(sig: signal.Signals) -> None:
-        if not received:
-            task.cancel()
-        received.append(sig)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop, sig)
-    try:
-        yield received
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    def __init__(self) -> None:
+        self.received: list[signal.Signals] = []
+        self._running: asyncio.Future[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __enter__(self) -> _SignalStop:
+        if threading.current_thread() is threading.main_thread():
+            self._loop = asyncio.get_running_loop()
+            for sig in self.SIGNALS:
+                self._loop.add_signal_handler(sig, self._on_signal, sig)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None:
+            for sig in self.SIGNALS:
+                self._loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.received.append(sig)
+        if self._running is not None and len(self.received) == 1:  # once: a second must not cut the stop short
+            self._running.cancel()
+
+    async def interruptible(self, work: Coroutine[Any, Any, T]) -> T | None:
+        """``work``'s result; None if a signal came before or while it ran (it is then cancelled)."""
+        if self.received:
+            work.close()
+            return None
+        self._running = task = asyncio.ensure_future(work)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and self.received:
+                return None
+            raise
+        finally:
+            self._running = None
+
+    def raise_if_received(self) -> None:
+        """RudraError naming the signal, if one came."""
+        if self.received:
+            raise RudraError(f"the run was stopped by {self.received[0].name}")
 
 
 def summarize(
