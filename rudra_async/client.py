@@ -284,7 +284,11 @@ class Client:
 
     async def pull(self, newer_than: Stamp = -1) -> Weights:
         """The newest weights; with ``newer_than``, wait until the clock passes it."""
-        return self._weights(await self._request(MsgType.PULL, {"newer_than": scalar(newer_than)}))
+        try:
+            newer = scalar(newer_than)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"bad newer_than: {exc}", code="bad_request") from None
+        return self._weights(await self._request(MsgType.PULL, {"newer_than": newer}))
 
     async def push(
         self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
@@ -462,9 +466,18 @@ class ShardedClient:
         return self.clients[0].welcome
 
     def _per_shard(self, stamp: Stamp) -> list[int]:
-        stamps = [stamp] * len(self.clients) if isinstance(stamp, int) else list(stamp)
+        """One clock per shard: ``stamp`` for each, or its items (whole numbers of any integer
+        type); RequestError ``bad_request`` otherwise."""
+        try:
+            items = stamp if isinstance(stamp, (tuple, list)) else [stamp] * len(self.clients)
+            stamps = [operator.index(s) for s in items]
+        except TypeError:
+            stamps = []
         if len(stamps) != len(self.clients):
-            raise ValueError(f"need one timestamp per shard ({len(self.clients)}), got {stamp!r}")
+            raise RequestError(
+                f"need a whole number or one per shard ({len(self.clients)}) as timestamp, got {stamp!r}",
+                code="bad_request",
+            )
         return stamps
 
     def _combine(self, parts: Sequence[Weights]) -> Weights:

@@ -127,3 +127,25 @@ def test_push_arguments_of_numpy_integer_types_are_sent_and_others_refused():
         with pytest.raises(RequestError, match="bad push argument"):
             client.push(grad, 1, samples=8.5)
         assert client.push(grad, 1, samples=8).status == "applied"  # still usable
+
+
+async def test_clock_arguments_of_numpy_integer_types_go_to_one_server_and_a_shard_group():
+    """A timestamp or ``newer_than`` may be any whole number, for one server and for a group
+    (one for every shard, or one per shard); anything else is RequestError bad_request."""
+    layout = small_layout()
+    w0, grad = initial_weights(layout), np.zeros(layout.size, np.float32)
+    async with contextlib.AsyncExitStack() as stack:
+        single = await stack.enter_async_context(run_server(protocol="async", kernel="numpy"))
+        shards = [await stack.enter_async_context(run_server(protocol="async", shard=Shard(i, 2))) for i in range(2)]
+        one = await Client.connect(single.addresses[0], layout, w0)
+        group = await ShardedClient.connect([ps.addresses[0] for ps in shards], layout, w0)
+        for client in (one, group):
+            assert (await client.push(grad, np.int64(0))).status == "applied"
+            assert (await client.pull(newer_than=np.int64(0))).array.size == layout.size
+            for bad in (0.5, "1", (0, 0, 0)):
+                with pytest.raises(RequestError) as refused:
+                    await client.pull(newer_than=bad)
+                assert refused.value.code == "bad_request"
+        assert (await group.push(grad, (np.int32(1), 1))).status == "applied"
+        await one.close()
+        await group.close()
