@@ -66,7 +66,7 @@ class PrivateLoop:
         try:
             return self.loop.run_until_complete(task)
         except BaseException:
-            if not task.done():
+            while not task.done():  # a second Ctrl-C during the cancellation: cancel again
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     self.loop.run_until_complete(task)

@@ -49,7 +49,8 @@ class TextFormatter(logging.Formatter):
         super().__init__(TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        cached, record.exc_text = record.exc_text, None  # another handler's rendering, unescaped
+        cached = record.exc_text  # another handler's rendering, unescaped; or all a record sent over has
+        record.exc_text = None if record.exc_info or not cached else _indented(cached)
         try:
             return super().format(record)
         finally:

@@ -143,6 +143,8 @@ def test_a_traceback_quoting_a_peer_cannot_forge_a_line():
         record = logging.LogRecord("rudra_async.test", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
     plain = logging.Formatter(TEXT_FORMAT).format(record)  # another handler renders it first
     assert "\n2026-12-05" in plain
+    sent_over = logging.makeLogRecord({**vars(record), "exc_info": None})  # as a SocketHandler's peer gets it
+    assert _text(sent_over) == _text(record)
     lines = _text(record).split("\n")
     assert lines[0].endswith("ERROR rudra_async.test: failed")
     assert all(line.startswith(TRACEBACK_INDENT) for line in lines[1:]) and len(lines) > 3

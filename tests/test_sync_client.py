@@ -187,3 +187,31 @@ def test_an_interrupted_private_loop_cancels_its_coroutine_and_runs_the_next():
     assert cancelled == [True]
     assert private.run(asyncio.sleep(0, "next")) == "next"
     private.close()
+
+
+def test_a_second_ctrl_c_during_the_cancellation_still_ends_the_coroutine():
+    """Interrupted again while its cancellation runs, the coroutine is cancelled again: it
+    never goes on under a later call."""
+    from rudra_async.eventloop import PrivateLoop
+
+    private, events = PrivateLoop(), []
+
+    async def waits():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            await asyncio.sleep(0.5)  # its clean-up, cut short by the second Ctrl-C
+            events.append("cleaned up")
+            raise
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    private.loop.call_later(0.01, interrupt)
+    private.loop.call_later(0.05, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        private.run(waits())
+    private.run(asyncio.sleep(0.6))  # time enough for a clean-up left pending to go on
+    assert events == ["cancelled"]
+    private.close()
