@@ -5,6 +5,7 @@ endpoint's answers to bad requests; traffic counted at both ends."""
 import asyncio
 import io
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -136,6 +137,31 @@ async def test_the_http_endpoint_answers_only_what_it_serves():
         answer = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         assert answer.startswith(b"HTTP/1.1 400")
+
+
+async def test_idle_connections_cannot_lock_scrapers_out_nor_spoil_the_close(caplog):
+    """Every slot held by a connection that sends nothing: a scraper still gets its answer
+    (the oldest idle one makes room); a malformed target is a 400, not a logged error; and
+    closing the server with idle clients connected logs no error."""
+    from rudra_async.monitor.http import MAX_CONNECTIONS
+
+    async with run_server(kernel="numpy", metrics="127.0.0.1:0") as ps:
+        url = ps.monitor.url
+        host, port = url.removeprefix("http://").split(":")
+        idle = [await asyncio.open_connection(host, port) for _ in range(MAX_CONNECTIONS)]
+        await asyncio.sleep(0.1)  # all accepted
+        status, _, body = await http_get(url + "/metrics")
+        assert status == 200 and b"rudra_clock" in body
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET http://[ HTTP/1.1\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 400")
+        idle.append(await asyncio.open_connection(host, port))
+        await asyncio.sleep(0.1)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    for _, w in idle:
+        w.close()
 
 
 async def test_bytes_are_counted_at_both_ends_of_every_connection():

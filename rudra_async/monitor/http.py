@@ -4,7 +4,9 @@ time and connections, so a scraper or a browser never competes with training for
 the time it takes to render one answer.
 
 It runs on the event loop (not in a thread) so that each answer reads the server's state
-between two events, never in the middle of one.
+between two events, never in the middle of one. A client has :data:`REQUEST_TIMEOUT_S` to
+send its request; when every slot is taken, the oldest connection still waiting for its
+request makes room, so idle connections cannot lock scrapers out.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ log = rate_limited(logging.getLogger(__name__))
 Route = Callable[[str], tuple[int, str, bytes]]  # path -> (status, content type, body)
 
 MAX_REQUEST = 16 * 1024  # request line and headers
-TIMEOUT_S = 10.0  # to send a request, and to take the answer
+REQUEST_TIMEOUT_S = 2.0  # to send the request (a scraper sends it at once)
+TIMEOUT_S = 10.0  # to take the answer
 MAX_CONNECTIONS = 32
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
 
@@ -35,6 +38,8 @@ class HttpServer:
         self.url = ""
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: connections still reading their request, oldest first
+        self._waiting: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self, host: str, port: int) -> None:
         try:
@@ -57,12 +62,17 @@ class HttpServer:
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if len(self._tasks) >= MAX_CONNECTIONS and self._waiting:
+            self._evict_oldest_waiting()
         if len(self._tasks) >= MAX_CONNECTIONS:
             writer.close()
             return
         self._tasks.add(task)
+        self._waiting[task] = writer
+        finished = False
         try:
             status, ctype, body, head = await self._answer(reader)
+            self._waiting.pop(task, None)
             writer.write(
                 f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 "Cache-Control: no-store\r\nConnection: close\r\n\r\n".encode("latin-1")
@@ -70,17 +80,29 @@ class HttpServer:
             if not head:
                 writer.write(body)
             await asyncio.wait_for(writer.drain(), TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError):
-            pass
+            finished = True
+        except (OSError, asyncio.TimeoutError, asyncio.CancelledError):
+            pass  # cancelled: evicted, or the server closes; either way this connection just ends
         finally:
             self._tasks.discard(task)
-            writer.close()
+            self._waiting.pop(task, None)
+            if finished:
+                writer.close()
+            else:
+                writer.transport.abort()  # nothing left to flush to a client that did not take it
+
+    def _evict_oldest_waiting(self) -> None:
+        """Free the slot of the oldest connection still waiting for its request, now."""
+        task = next(iter(self._waiting))
+        self._waiting.pop(task).transport.abort()
+        self._tasks.discard(task)
+        task.cancel()
 
     async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes, bool]:
         """(status, content type, body, whether it is a HEAD request)."""
         plain = "text/plain; charset=utf-8"
         try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT_S)
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
             return 400, plain, b"bad request\n", False
         parts = request.split(b"\r\n", 1)[0].decode("latin-1").split()
@@ -90,7 +112,11 @@ class HttpServer:
         if method not in ("GET", "HEAD"):
             return 405, plain, b"only GET and HEAD\n", False
         try:
-            status, ctype, body = self.route(urlsplit(target).path)
+            path = urlsplit(target).path
+        except ValueError:  # e.g. an unclosed [IPv6 bracket
+            return 400, plain, b"bad request\n", False
+        try:
+            status, ctype, body = self.route(path)
         except Exception:  # a bug in a route must not take the server down
             log.exception("answering %s failed", target)
             return 500, plain, b"internal error\n", method == "HEAD"
