@@ -944,3 +944,50 @@ async def test_a_refused_reference_quotes_at_most_80_characters_of_its_segment_n
         kind, error = await asyncio.to_thread(learn)
     assert kind == MsgType.ERROR and error["code"] == "malformed" and error["fatal"] is False
     assert "'" + "n" * 76 + "..." in error["message"] and "n" * 77 not in error["message"]
+
+
+async def test_a_ucx_send_cancelled_mid_frame_closes_the_connection():
+    """A frame is several UCX messages: a send cancelled after some went out would make the
+    peer read the next frame's messages as the rest of this one. The connection closes
+    instead, and the receiver never gets a frame made of two."""
+    from rudra_async_ucx import transport
+
+    received, go, peers = [], asyncio.Event(), []
+
+    async def on_connection(conn):
+        peers.append(conn.peer)
+        await go.wait()
+        with contextlib.suppress(Exception):
+            while True:
+                frame = await asyncio.wait_for(conn.recv(), 5)
+                received.append((frame.msg_type, [a.nbytes for a in frame.arrays]))
+                frame.release()
+
+    listener = await transport.listen("ucx://127.0.0.1:0", on_connection)
+    other = await transport.connect(listener.address, timeout=10)
+    conn = await transport.connect(listener.address, timeout=10)
+    try:
+        for i in range(8):  # the receiver's inbox fills: it stops posting receives
+            await conn.send(1, {"i": i})
+        cut = conn.send(2, {}, [np.ones(64 << 20, np.uint8), np.full(24, 5, np.uint8)])
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(cut, 0.5)
+        assert conn.is_closed
+        go.set()
+        await asyncio.sleep(1.0)
+        assert all(sizes in ([], [64 << 20, 24]) for _, sizes in received), received
+        assert len(set(peers)) == 2, peers  # the server's logs tell the learners apart
+    finally:
+        other.close()
+        conn.close()
+        await listener.close()
+
+
+def test_a_bad_ucx_progress_mode_is_a_config_error():
+    code = "from rudra_async_ucx import _ucxx; _ucxx()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**subprocess_env(), "RUDRA_ASYNC_UCX_PROGRESS": "bogus"})  # fmt: skip
+    assert (
+        "ConfigError: RUDRA_ASYNC_UCX_PROGRESS must be one of blocking, polling, thread, thread-polling, got 'bogus'"
+        in proc.stderr
+    )

@@ -17,13 +17,14 @@ event loop: no busy polling, good for hosts shared with learners); set
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from rudra_async.errors import ConnectError, PeerGone
+from rudra_async.errors import ConfigError, ConnectError, PeerGone
 from rudra_async.transports.base import (
     Connection,
     OnAccept,
@@ -36,6 +37,9 @@ from rudra_async.transports.base import (
 from rudra_async.wire import FrameReader, Limits, encode_messages
 
 _initialized = False
+PROGRESS_ENV = "RUDRA_ASYNC_UCX_PROGRESS"
+PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
+_peers = itertools.count(1)  # numbers the accepted peers, whose address ucxx does not give
 
 
 def _ucxx() -> Any:
@@ -43,7 +47,10 @@ def _ucxx() -> Any:
     import ucxx
 
     if not _initialized:
-        ucxx.init(progress_mode=os.environ.get("RUDRA_ASYNC_UCX_PROGRESS", "blocking"))
+        mode = os.environ.get(PROGRESS_ENV) or "blocking"
+        if mode not in PROGRESS_MODES:
+            raise ConfigError(f"{PROGRESS_ENV} must be one of {', '.join(PROGRESS_MODES)}, got {mode!r}")
+        ucxx.init(progress_mode=mode)
         _initialized = True
     return ucxx
 
@@ -87,6 +94,9 @@ class UcxConnection(Connection):
         except Exception as exc:
             self._check_open()
             raise PeerGone(f"connection lost while sending: {exc}") from None
+        except BaseException:  # cancelled mid-frame: the peer would read the next frame into this one's parts
+            self.close()
+            raise
 
     def _close_link(self) -> None:
         self._reader.cancel()
@@ -101,7 +111,7 @@ class UcxListener(ServingListener):
         self._listener: Any = None
 
     async def _handle(self, ep: Any) -> None:  # ucxx calls this in a task of its own
-        await self._serve(UcxConnection(ep, self._limits, f"ucx://{self._host}#peer"))
+        await self._serve(UcxConnection(ep, self._limits, f"ucx://{self._host}#peer{next(_peers)}"))
 
     def _stop_accepting(self) -> None:
         if self._listener is not None:
