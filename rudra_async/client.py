@@ -469,7 +469,7 @@ class ShardedClient:
         """One clock per shard: ``stamp`` for each, or its items (whole numbers of any integer
         type); RequestError ``bad_request`` otherwise."""
         try:
-            items = stamp if isinstance(stamp, (tuple, list)) else [stamp] * len(self.clients)
+            items: list[Any] = list(stamp) if np.ndim(stamp) == 1 else [stamp] * len(self.clients)  # type: ignore[arg-type]
             stamps = [operator.index(s) for s in items]
         except TypeError:
             stamps = []

@@ -7,7 +7,6 @@ Works on every Python the project supports (3.10+): no ``asyncio.Runner`` (3.11)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -62,14 +61,21 @@ class PrivateLoop:
         """Drive ``main`` to its end. Interrupted (Ctrl-C while the loop waits), ``main`` is
         cancelled and its cancellation run before the interruption is raised: it never
         resumes under a later call."""
+        if asyncio._get_running_loop() is not None:  # the fast check asyncio itself makes
+            main.close()
+            raise RuntimeError("a private loop cannot run inside a running event loop: use the async Client there")
         task = self.loop.create_task(main)
         try:
             return self.loop.run_until_complete(task)
         except BaseException:
-            while not task.done():  # a second Ctrl-C during the cancellation: cancel again
-                task.cancel()
-                with contextlib.suppress(BaseException):
+            task.cancel()
+            while not task.done():
+                try:
                     self.loop.run_until_complete(task)
+                except KeyboardInterrupt:  # a second Ctrl-C during the cancellation: cancel again
+                    task.cancel()
+                except BaseException:  # its cancellation ended it, or the loop cannot run here
+                    break
             raise
 
     def close(self) -> None:

@@ -210,3 +210,24 @@ def test_a_signal_after_the_learners_ended_still_writes_the_checkpoint_and_says_
     with pytest.raises(RudraError, match="the run was stopped by SIGTERM"):
         run(train.train(cfg))
     assert checkpoint.load(ckpt).clock == 10
+
+
+@pytest.mark.parametrize("owner_cancels", [False, True], ids=["signal", "signal and the owner's cancel"])
+async def test_a_signal_ends_the_learners_run_but_an_owners_cancel_stays_one(owner_cancels):
+    """A signal cancels the learners' run, which then ends quietly (the run stops in order);
+    if the run's owner cancels it too, that cancellation is not swallowed."""
+    import asyncio
+
+    from rudra_async.runs.train import _SignalStop
+
+    stop = _SignalStop()  # not entered: no handler installed, the signal is handed in below
+    learners_run = asyncio.ensure_future(stop.interruptible(asyncio.sleep(10)))
+    await asyncio.sleep(0.01)
+    stop._on_signal(signal.SIGTERM)
+    if owner_cancels:
+        learners_run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await learners_run
+    else:
+        assert await learners_run is None
+    assert learners_run.done() and stop.received == [signal.SIGTERM]

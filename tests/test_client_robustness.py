@@ -147,5 +147,6 @@ async def test_clock_arguments_of_numpy_integer_types_go_to_one_server_and_a_sha
                     await client.pull(newer_than=bad)
                 assert refused.value.code == "bad_request"
         assert (await group.push(grad, (np.int32(1), 1))).status == "applied"
+        assert (await group.push(grad, np.array([2, 2]))).status == "applied"  # one per shard, as an array
         await one.close()
         await group.close()

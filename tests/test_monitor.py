@@ -149,7 +149,12 @@ async def test_idle_connections_cannot_lock_scrapers_out_nor_spoil_the_close(cap
         url = ps.monitor.url
         host, port = url.removeprefix("http://").split(":")
         idle = [await asyncio.open_connection(host, port) for _ in range(MAX_CONNECTIONS)]
-        await asyncio.sleep(0.1)  # all accepted
+        http = ps.monitor._http
+        for _ in range(100):  # until every one holds a slot
+            if len(http._tasks) == MAX_CONNECTIONS:
+                break
+            await asyncio.sleep(0.05)
+        assert len(http._tasks) == MAX_CONNECTIONS
         status, _, body = await http_get(url + "/metrics")
         assert status == 200 and b"rudra_clock" in body
         reader, writer = await asyncio.open_connection(host, port)

@@ -969,9 +969,14 @@ async def test_a_ucx_send_cancelled_mid_frame_closes_the_connection():
     try:
         for i in range(8):  # the receiver's inbox fills: it stops posting receives
             await conn.send(1, {"i": i})
-        cut = conn.send(2, {}, [np.ones(64 << 20, np.uint8), np.full(24, 5, np.uint8)])
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(cut, 0.5)
+        cut = asyncio.ensure_future(conn.send(2, {}, [np.ones(64 << 20, np.uint8), np.full(24, 5, np.uint8)]))
+        await asyncio.sleep(0.3)
+        with pytest.raises(asyncio.TimeoutError):  # queued behind it: nothing of this frame went out
+            await asyncio.wait_for(conn.send(3, {}), 0.3)
+        assert not conn.is_closed
+        cut.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
         assert conn.is_closed
         go.set()
         await asyncio.sleep(1.0)

@@ -5,6 +5,7 @@ import asyncio
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -214,4 +215,22 @@ def test_a_second_ctrl_c_during_the_cancellation_still_ends_the_coroutine():
         private.run(waits())
     private.run(asyncio.sleep(0.6))  # time enough for a clean-up left pending to go on
     assert events == ["cancelled"]
+    private.close()
+
+
+def test_a_private_loop_run_inside_a_running_loop_fails_at_once():
+    """A private loop cannot run inside another running loop: the caller gets a clear error
+    at once (it used to spin, cancelling a task that could never run)."""
+    from rudra_async.eventloop import PrivateLoop
+
+    private = PrivateLoop()
+
+    async def inside():
+        with pytest.raises(RuntimeError, match="cannot run inside a running event loop"):
+            private.run(asyncio.sleep(0))
+
+    started = time.monotonic()
+    asyncio.run(inside())
+    assert time.monotonic() - started < 5
+    assert private.run(asyncio.sleep(0, "usable")) == "usable"  # outside, it runs as ever
     private.close()

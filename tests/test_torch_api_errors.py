@@ -251,3 +251,29 @@ def test_an_overlapped_device_step_takes_its_gradient_before_new_weights_reach_t
             copies.append("close")  # which takes the last exchange's weights
     steps = " ".join(copies).split(" close")[0].split("step")[1:]
     assert [s.split() for s in steps] == [["gradient", "out"]] + [["gradient", "out", "weights", "in"]] * 2
+
+
+def test_ctrl_c_after_the_exchange_came_back_keeps_its_weights_to_take():
+    """Ctrl-C after the previous exchange's weights came but before the model took them (on a
+    device, taking the gradient waits for backward: where a Ctrl-C lands) leaves them to take:
+    the next step() takes them."""
+    with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
+        model = nn.Linear(4, 2)
+        with rt.DistributedOptimizer(model, ps.addresses[0], overlap=True) as opt:
+            backward(model)
+            assert opt.step(samples=8)
+            take = opt.flat.gradients
+
+            def interrupted():
+                opt.flat.gradients = take
+                raise KeyboardInterrupt
+
+            opt.flat.gradients = interrupted
+            opt.zero_grad()
+            backward(model)
+            with pytest.raises(KeyboardInterrupt):
+                opt.step(samples=8)
+            assert opt.timestamp == 0
+            assert opt.step(samples=8) and opt.timestamp == 1  # the first exchange's weights, taken now
+        assert opt.timestamp == 2
+        np.testing.assert_array_equal(opt.flat.weights.numpy(), ps.core.store.weights)

@@ -221,6 +221,7 @@ class DistributedOptimizer:
         grads = self.flat.gradients()
         if not first:
             self._take(received)
+            self._pending = None  # only now: an interruption before leaves its weights to take again
         self.flat.release_gradients()  # the next backward cannot write into what is being sent
         if first:
             if self._spare is not None:  # the model goes on computing on the weights at hand
@@ -238,15 +239,16 @@ class DistributedOptimizer:
         return True
 
     def _last_exchange(self) -> Weights | None:
-        """Wait for the exchange in flight and forget it once it is over: its error is raised
-        once; an interrupted wait (Ctrl-C) leaves it in flight, to be waited for again."""
+        """Wait for the exchange in flight: what it brought (the caller forgets it once taken),
+        or its error, raised once (then it is forgotten). An interrupted wait (Ctrl-C) leaves it
+        pending, to be waited for again."""
         pending = self._pending
         assert pending is not None
         try:
             return pending.result()
-        finally:
-            if pending.done():
-                self._pending = None
+        except Exception:
+            self._pending = None
+            raise
 
     def _swap(self) -> None:
         """Overlap on the CPU: the model moves onto the spare weights buffer, and the one it
@@ -319,6 +321,7 @@ class DistributedOptimizer:
         if self._pending is not None:
             try:
                 self._take(self._last_exchange())  # the model ends on the newest weights, if any came
+                self._pending = None
             except Exception as exc:  # the last exchange failed; closing goes on
                 log.warning("the last exchange failed while closing: %s", exc)
         client = getattr(self, "client", None)

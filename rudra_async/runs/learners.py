@@ -11,6 +11,7 @@ loop and no threads, so forking it is safe. Each learner runs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -76,11 +77,10 @@ class LearnerGroup:
                     raise RudraError(f"the run did not finish within {timeout:g} s; learners were stopped")
                 await asyncio.sleep(0.05)
         finally:
-            try:
-                if starting is not None:
-                    await asyncio.wait([starting])  # a start under way (cancelled meanwhile) ends first
-            finally:
-                self.kill()
+            while starting is not None and not starting.done():  # a start under way ends first
+                with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait for it
+                    await asyncio.wait([starting])
+            self.kill()
         summaries: dict[int, dict[str, Any]] = {}
         while True:
             try:

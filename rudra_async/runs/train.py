@@ -138,8 +138,9 @@ class _SignalStop:
         try:
             return await task
         except asyncio.CancelledError:
-            if task.cancelled() and self.received:
-                return None
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
+            if task.cancelled() and self.received and not (cancelling and cancelling()):
+                return None  # cancelled by the signal, not by this task's owner
             raise
         finally:
             self._running = None

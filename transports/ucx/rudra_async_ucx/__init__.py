@@ -87,15 +87,18 @@ class UcxConnection(Connection):
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         self._check_open()
         messages = self._sending(encode_messages(msg_type, meta, arrays, self.limits))
+        started = False
         try:
             async with self._send_lock:  # a frame is several messages: never interleave two
                 for message in messages:
+                    started = True
                     await self.ep.send(np.frombuffer(message, np.uint8))
         except Exception as exc:
             self._check_open()
             raise PeerGone(f"connection lost while sending: {exc}") from None
-        except BaseException:  # cancelled mid-frame: the peer would read the next frame into this one's parts
-            self.close()
+        except BaseException:
+            if started:  # cancelled mid-frame: the peer would read the next frame into this one's parts
+                self.close()
             raise
 
     def _close_link(self) -> None:
