@@ -89,12 +89,12 @@ def gradient_segments(grad: Gradient, lo: int = 0, hi: int | None = None) -> lis
 
 def scalar(stamp: Stamp) -> int:
     """One server's clock: a whole number (of any integer type), or a one-element tuple (a
-    group of one shard). TypeError or ValueError otherwise."""
-    if isinstance(stamp, (tuple, list)):
-        if len(stamp) != 1:
-            raise ValueError(f"one server has one clock, got {stamp!r}")
-        stamp = stamp[0]
-    return operator.index(stamp)
+    group of one shard). RequestError ``bad_request`` otherwise."""
+    one = stamp[0] if isinstance(stamp, (tuple, list)) and len(stamp) == 1 else stamp
+    try:
+        return operator.index(one)  # type: ignore[arg-type]
+    except TypeError:
+        raise RequestError(f"one server's clock is a whole number, got {stamp!r}", code="bad_request") from None
 
 
 def went_back(new: Stamp, old: Stamp) -> bool:
@@ -284,11 +284,7 @@ class Client:
 
     async def pull(self, newer_than: Stamp = -1) -> Weights:
         """The newest weights; with ``newer_than``, wait until the clock passes it."""
-        try:
-            newer = scalar(newer_than)
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"bad newer_than: {exc}", code="bad_request") from None
-        return self._weights(await self._request(MsgType.PULL, {"newer_than": newer}))
+        return self._weights(await self._request(MsgType.PULL, {"newer_than": scalar(newer_than)}))
 
     async def push(
         self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
