@@ -13,7 +13,10 @@ Then, in this process, the time one scrape of both takes on the server's event l
 cost the rounds measure, without the noise): a server with LEARNERS learners that pushed
 gradients, ``monitor.metrics()`` and ``json.dumps(monitor.status())`` timed together.
 
-    python benchmarks/metrics_cost.py [--size 100000] [--learners 4] [--seconds 2] [--rounds 15]
+With ``--hammer N``, N clients fetch both pages without pause instead (clients gone wrong,
+or many dashboards): what answers reused for ``RENDER_EVERY_S`` save.
+
+    python benchmarks/metrics_cost.py [--size 100000] [--learners 4] [--seconds 2] [--rounds 15] [--hammer N]
 
 Prints the median updates/s of each, the ratio on/off (the target is >= 0.97), the time
 of one scrape, and one JSON line with the numbers.
@@ -69,25 +72,32 @@ async def learner(url: str, layout: Layout, initial: np.ndarray, until: float, s
     return pushes
 
 
-async def scrape(port: int, until: float) -> int:
+async def scrape(port: int, until: float, pause: float = 1.0) -> int:
+    """Fetch /metrics and /status.json together every ``pause`` seconds (0: as fast as the
+    server answers) until ``until``; the number of fetches."""
     scrapes = 0
     while time.monotonic() < until:
         await asyncio.gather(http_get(port, "/metrics"), http_get(port, "/status.json"))
         scrapes += 1
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(pause)
     return scrapes
 
 
-async def one_round(url: str, metrics_port: int | None, args: argparse.Namespace, layout: Layout) -> float:
+async def one_round(
+    url: str, metrics_port: int | None, args: argparse.Namespace, layout: Layout
+) -> tuple[float, float]:
+    """(updates/s, fetches of both pages per second) of one round."""
     initial = np.zeros(layout.size, np.float32)
     started = time.monotonic()
     until = started + args.seconds
-    scraper = asyncio.ensure_future(scrape(metrics_port, until)) if metrics_port else None
+    scraper = None
+    if metrics_port:
+        pause = 0.0 if args.hammer else 1.0
+        scraper = asyncio.gather(*(scrape(metrics_port, until, pause) for _ in range(args.hammer or 1)))
     pushes = await asyncio.gather(*(learner(url, layout, initial, until, i) for i in range(args.learners)))
     elapsed = time.monotonic() - started
-    if scraper is not None:
-        await scraper
-    return sum(pushes) / elapsed  # async: one update per gradient
+    scrapes = sum(await scraper) if scraper is not None else 0
+    return sum(pushes) / elapsed, scrapes / elapsed  # async: one update per gradient
 
 
 async def main(args: argparse.Namespace) -> dict[str, float]:
@@ -98,15 +108,20 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
         off_url, on_url = f"tcp://127.0.0.1:{off_port}", f"tcp://127.0.0.1:{on_port}"
         await one_round(off_url, None, argparse.Namespace(**{**vars(args), "seconds": 1.0}), layout)  # warm-up
         await one_round(on_url, metrics_port, argparse.Namespace(**{**vars(args), "seconds": 1.0}), layout)
-        off, on = [], []
+        off, on, fetches = [], [], []
         for r in range(args.rounds):
-            if r % 2:
-                on.append(await one_round(on_url, metrics_port, args, layout))
-                off.append(await one_round(off_url, None, args, layout))
-            else:
-                off.append(await one_round(off_url, None, args, layout))
-                on.append(await one_round(on_url, metrics_port, args, layout))
-            print(f"pair {r + 1}: off {off[-1]:8.0f} updates/s   on {on[-1]:8.0f} updates/s", flush=True)
+            for which in ("on", "off") if r % 2 else ("off", "on"):
+                if which == "on":
+                    rate, fetched = await one_round(on_url, metrics_port, args, layout)
+                    on.append(rate)
+                    fetches.append(fetched)
+                else:
+                    off.append((await one_round(off_url, None, args, layout))[0])
+            print(
+                f"pair {r + 1}: off {off[-1]:8.0f} updates/s   on {on[-1]:8.0f} updates/s"
+                f"   ({fetches[-1]:.0f} fetches of both pages/s)",
+                flush=True,
+            )
     finally:
         for proc in servers:
             proc.terminate()
@@ -117,6 +132,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
         "off_updates_per_s": statistics.median(off),
         "on_updates_per_s": statistics.median(on),
         "ratio": statistics.median(b / a for a, b in zip(off, on)),
+        "fetches_per_s": statistics.median(fetches),
         "scrape_ms": await scrape_cost(args, layout),
     }
 
@@ -147,6 +163,9 @@ if __name__ == "__main__":
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each round")
     parser.add_argument("--rounds", type=int, default=15, help="pairs of rounds")
+    parser.add_argument(
+        "--hammer", type=int, default=0, help="instead of one scrape a second, this many clients fetching without pause"
+    )
     out = run(main(parser.parse_args()))
     print(
         f"metrics off {out['off_updates_per_s']:.0f} updates/s, on {out['on_updates_per_s']:.0f} updates/s "

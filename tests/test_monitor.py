@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rudra_async import RemoteError
 from rudra_async.client import Client
 from rudra_async.monitor.collector import STALENESS_BUCKETS
+from rudra_async.monitor.http import RENDER_EVERY_S, HttpServer
 from rudra_async.monitor.view import render
 
 
@@ -103,6 +104,7 @@ async def test_metrics_scraped_while_learners_train_agree_with_stats(protocol, o
         assert value(during, "process_resident_memory_bytes") > 10e6
         check_agreement(samples(ps.monitor.metrics().decode()), ps.stats(), connected=3)  # no await between
         clients = await asyncio.gather(*learners)  # the server stopped them at 150 updates; still connected
+        await asyncio.sleep(RENDER_EVERY_S)  # the answer rendered during training is not reused
         status, _, body = await http_get(url + "/metrics")
         stats = ps.stats()
         parsed = samples(body.decode())
@@ -167,6 +169,37 @@ async def test_idle_connections_cannot_lock_scrapers_out_nor_spoil_the_close(cap
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     for _, w in idle:
         w.close()
+
+
+async def test_a_page_fetched_in_a_loop_is_rendered_at_most_once_per_interval():
+    """Requests for a page within RENDER_EVERY_S of its rendering get the same bytes without
+    rendering it again (a client fetching in a loop costs the loop little); later ones get a
+    fresh answer; a 404 is never kept, so arbitrary paths cannot grow the server's memory."""
+    rendered = []
+
+    def route(path):
+        rendered.append(path)
+        if path == "/missing" or path.startswith("/x"):
+            return 404, "text/plain", b"not found\n"
+        return 200, "text/plain", f"render {len(rendered)}".encode()
+
+    http = HttpServer(route)
+    await http.start("127.0.0.1", 0)
+    try:
+        answers = [(await http_get(http.url + "/page"))[2] for _ in range(5)]
+        if len(rendered) == 1:  # all within the interval (a slow host may cross it once)
+            assert answers == [b"render 1"] * 5
+        assert len(rendered) <= 2 and set(answers) <= {b"render 1", b"render 2"}
+        await asyncio.sleep(RENDER_EVERY_S)
+        before = len(rendered)
+        assert (await http_get(http.url + "/page"))[2] == f"render {before + 1}".encode()
+        for i in range(3):
+            assert (await http_get(http.url + "/missing"))[0] == 404
+            assert (await http_get(http.url + f"/x{i}"))[0] == 404
+        assert rendered[-6:] == ["/missing", "/x0", "/missing", "/x1", "/missing", "/x2"]  # each rendered
+        assert list(http._rendered) == ["/page"]
+    finally:
+        await http.close()
 
 
 async def test_bytes_are_counted_at_both_ends_of_every_connection():
