@@ -65,9 +65,9 @@ def test_bad_samples_or_loss_are_learner_errors_and_the_gradient_can_still_be_se
 
 
 def test_settings_and_layers_the_server_cannot_run_are_refused_before_any_gradient():
-    """maximize=True (the server minimizes) and sparse gradients (the wire carries dense
-    ones): a sparse embedding is refused before the learner says hello; a sparse gradient
-    from elsewhere when step() meets it."""
+    """maximize=True (the server minimizes), dampening and sparse gradients (the wire carries
+    dense ones): an optimizer with either setting and a sparse embedding are refused before
+    the learner says hello; a sparse gradient from elsewhere when step() meets it."""
 
     class SparseLookup(nn.Module):
         def __init__(self) -> None:
@@ -85,6 +85,10 @@ def test_settings_and_layers_the_server_cannot_run_are_refused_before_any_gradie
         plain = nn.Linear(4, 2)
         with pytest.raises(LearnerError, match="the server's SGD minimizes the loss; build the optimizer with maxim"):
             rt.DistributedOptimizer(plain, ps.addresses[0], torch.optim.SGD(plain.parameters(), 0.1, maximize=True))
+        damped = torch.optim.SGD(plain.parameters(), 0.1, momentum=0.9, dampening=0.5)
+        with pytest.raises(LearnerError, match="has no dampening; build the optimizer with dampening=0"):
+            rt.DistributedOptimizer(plain, ps.addresses[0], damped)
+        assert ps.stats()["learners"] == {}  # none of them said hello
     with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
         lookup = SparseLookup()
         with rt.DistributedOptimizer(lookup, ps.addresses[0]) as opt:

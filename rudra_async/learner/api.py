@@ -53,7 +53,8 @@ def trainable_parameters(
     model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> tuple[list[tuple[str, nn.Parameter]], list[list[Any]] | None]:
     """The parameters the server trains, in order, and the optimizer's groups in HELLO's form
-    (``[[tensors, lr, weight_decay], ...]``; None without an optimizer)."""
+    (``[[tensors, lr, weight_decay], ...]``; None without an optimizer). An optimizer the
+    server cannot run whatever its settings is a :class:`LearnerError` (before connecting)."""
     names = {id(p): n for n, p in model.named_parameters()}
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if optimizer is None:
@@ -63,6 +64,10 @@ def trainable_parameters(
     ordered: list[tuple[str, nn.Parameter]] = []
     groups = []
     for group in optimizer.param_groups:
+        if group.get("dampening", 0) != 0:
+            raise LearnerError("the server's SGD has no dampening; build the optimizer with dampening=0")
+        if group.get("maximize", False):
+            raise LearnerError("the server's SGD minimizes the loss; build the optimizer with maximize=False")
         params = [p for p in group["params"] if p.requires_grad]
         unknown = [p for p in params if id(p) not in names]
         if unknown:
@@ -86,7 +91,7 @@ def refuse_sparse(model: nn.Module, named: Sequence[tuple[str, nn.Parameter]]) -
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer | None, welcome: dict[str, Any]) -> None:
-    """The settings the server applies to every group must be the optimizer's."""
+    """The settings the server applies to every group (its WELCOME says which) must be the optimizer's."""
     if optimizer is None:
         return
     for group in optimizer.param_groups:
@@ -96,10 +101,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, welcome: dict[str, 
                     f"the optimizer's {key} is {group[key]}, the server's is {theirs} "
                     f"(start the server with --{key} {group[key]}, or build the optimizer with {key}={theirs})"
                 )
-        if group.get("dampening", 0) != 0:
-            raise LearnerError("the server's SGD has no dampening; build the optimizer with dampening=0")
-        if group.get("maximize", False):
-            raise LearnerError("the server's SGD minimizes the loss; build the optimizer with maximize=False")
 
 
 def as_samples(samples: Any) -> int:
