@@ -199,3 +199,53 @@ async def test_only_a_connection_whose_thread_writes_sends_a_body_being_computed
         assert not conn.sends_computing(10)
     finally:
         await listener.close()
+
+
+async def test_no_byte_of_a_cancelled_thread_write_goes_out_after_the_send_returned(send_threads, monkeypatch):
+    """A sender thread may be between its look for a stop and its next ``sendmsg`` when its
+    send is cancelled. Once the cancelled send has returned, the frame's memory may change
+    (a server's lease on the weights ends), so no byte of it may go out after that: here the
+    thread is held right before its first ``sendmsg`` until the send has returned, and the
+    peer then receives nothing of the frame, only the end of the connection."""
+    from rudra_async.transports.stream import StreamConnection
+
+    send_threads(MiB)
+    entered, go_on = threading.Event(), threading.Event()
+
+    class Held(socket.socket):
+        def sendmsg(self, *args):
+            entered.set()
+            go_on.wait(10)
+            return super().sendmsg(*args)
+
+    thread_socket = StreamConnection._thread_socket
+
+    def held(self, body_bytes):
+        sock = thread_socket(self, body_bytes)
+        if sock is None:
+            return None
+        out = Held(fileno=sock.detach())
+        out.settimeout(0.0)
+        return out
+
+    monkeypatch.setattr(StreamConnection, "_thread_socket", held)
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        conn = await transports.transport_for("tcp://").connect(f"tcp://127.0.0.1:{server.getsockname()[1]}")
+        peer, _ = server.accept()
+        sending = asyncio.ensure_future(conn.send(MsgType.WEIGHTS, {}, [np.ones(MiB // 4, np.float32)]))
+        assert await asyncio.to_thread(entered.wait, 10), "the frame should have gone to a sender thread"
+        sending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        go_on.set()  # the thread's sendmsg goes on now, after the send returned
+        for _ in range(100):
+            if not send_threads.writing:
+                break
+            await asyncio.sleep(0.02)
+        assert send_threads.writing == 0
+        assert await asyncio.to_thread(read_available, peer, 1.0) == b""
+        peer.close()
+    finally:
+        go_on.set()
+        server.close()

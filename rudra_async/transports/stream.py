@@ -197,13 +197,15 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     ) -> None:
         """Write a frame to ``sock`` in a sender thread (the body, from byte ``body_at`` on,
         as ``gate`` lets it); return once every byte is written. Cancelled, or failing
-        midway, the connection ends (part of a frame may be out)."""
+        midway, the connection ends (part of a frame may be out); cancelled, no byte of the
+        frame goes out once this has returned, though the thread may still run."""
         job = self._thread_write = offload.start(
             asyncio.get_running_loop(), sock, parts, self._thread_stop, gate, body_at
         )
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
+            self._cut_thread_write()
             self.close()
             raise
         except ConnectionClosed:
@@ -218,6 +220,21 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             self.close()
             raise
         self._poller.sent()  # every byte went out: a peer that answered and left since is for recv to report
+
+    def _cut_thread_write(self) -> None:
+        """Shut the socket down, so that a sender thread writes nothing more: even one that
+        has just looked for a stop and is about to call ``sendmsg`` (which then fails), after
+        which the frame's memory may change. A ``sendmsg`` already copying holds the socket's
+        lock, so the shutdown returns only once that copy is over."""
+        transport = self._transport
+        raw = transport.get_extra_info("socket") if transport is not None else None
+        if raw is None:
+            return
+        try:  # through a duplicate: the loop's socket object may not offer shutdown (uvloop)
+            with socket.socket(fileno=os.dup(raw.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already gone
+            pass
 
     def _on_consumed(self) -> None:
         if self._reading_paused and len(self._inbox) <= self._inbox_frames // 2 and self._transport is not None:
