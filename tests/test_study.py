@@ -172,6 +172,26 @@ def test_a_softsync_point_without_n_runs_with_n_1(tmp_path):
     assert "| g | simulated | softsync | 1 | 8 | 8 | constant | 0.100 | 100 | 1.000 | 2 | 0.200 |" in lines
 
 
+def test_findings_1_to_3_keep_runs_of_different_learner_counts_apart(tmp_path):
+    runs = [
+        result(n, err, policy, learners=lam, staleness_histogram={str(n * lam // 4): 100}, id=f"{lam}-{n}-{policy}")
+        for lam in (4, 16)
+        for n in (1, 2)
+        for policy, err in (("constant", 0.05 * n), ("staleness", 0.04))
+    ]
+    hard = [
+        result(None, err, protocol="hardsync", learners=lam, id=f"hard-{lam}") for lam, err in ((4, 0.03), (16, 0.2))
+    ]
+    lines = report_lines(tmp_path, runs + hard, staleness="g")
+    # finding 1: λ = 4 has σ = n, λ = 16 has σ = 4n; mixed, n = 1 would read ⟨σ⟩ = 2.5 under λ = 4
+    assert "| 1 | 4 | 1.000 | 1.000 | 1 | 1.000 |" in lines and "| 1 | 16 | 4.000 | 4.000 | 4 | 0.000 |" in lines
+    # finding 3: each λ against its own hardsync reference, not their mean 0.115
+    assert "| 1 | 0.050 | 0.040 | 0.030 |" in lines and "| 1 | 0.050 | 0.040 | 0.200 |" in lines
+    assert "## 1. n-softsync bounds staleness: ⟨σ⟩ ≈ n, σ ≤ 2n almost always (λ = 16, μ = 8)" in lines
+    for png in ("staleness_distribution_lambda4_mu8.png", "error_per_n_lambda16_mu8.png"):
+        assert (tmp_path / png).exists() and f"![{png}]({png})" in lines
+
+
 def test_runs_without_a_test_error_are_reported_as_not_measured(tmp_path):
     hard = [result(None, None, protocol="hardsync"), result(None, None, protocol="hardsync", batch_size=16)]
     lines = report_lines(tmp_path, [result(1, None), result(2, None), result(1, None, "staleness"), *hard])

@@ -130,15 +130,38 @@ class _Report:
         self.add(f"![{name}]({name})", "")
 
 
+def _setting(run: dict[str, Any]) -> tuple[int, int]:
+    """A run's learners and mini-batch size, (λ, μ): what findings 1-3 hold fixed while n varies."""
+    return run["learners"], run["batch_size"]
+
+
 def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
+    """Findings 1-3 once per setting (λ, μ) of the group's softsync runs, each against the
+    hardsync runs of that same setting, so that no table row, verdict, curve or reference mixes
+    runs of different λ or μ. With one setting the headings and figure names are the plain ones;
+    with several, each section's headings and titles name its λ and μ and its figures' file names
+    end in ``_lambda<λ>_mu<μ>``. Hardsync runs of a setting with no softsync run are not used."""
     soft = [r for r in runs if r["protocol"] == "softsync"]
-    hard = [r for r in runs if r["protocol"] == "hardsync"]
     if not soft:
         rep.add("No softsync runs in the staleness group.", "")
         return
-    lam = soft[0]["learners"]
+    settings = _by(soft, _setting)
+    for (lam, mu), rs in settings.items():
+        hard = [r for r in runs if r["protocol"] == "hardsync" and _setting(r) == (lam, mu)]
+        _staleness_findings(rep, rs, hard, lam, mu if len(settings) > 1 else None)
+
+
+def _staleness_findings(
+    rep: _Report, soft: list[dict[str, Any]], hard: list[dict[str, Any]], lam: int, mu: int | None
+) -> None:
+    """Findings 1-3 for softsync runs ``soft`` of λ = ``lam`` and one μ and hardsync runs ``hard``
+    of the same λ and μ; ``mu`` (None: the group has no other setting) is named in every heading
+    and plot title and ends every figure's file name stem."""
+    tag = "" if mu is None else f" (λ = {lam}, μ = {mu})"
+    note = "" if mu is None else f", μ = {mu}"
+    suffix = "" if mu is None else f"_lambda{lam}_mu{mu}"
     by_n = _by(soft, _n)
-    rep.add("## 1. n-softsync bounds staleness: ⟨σ⟩ ≈ n, σ ≤ 2n almost always", "")
+    rep.add(f"## 1. n-softsync bounds staleness: ⟨σ⟩ ≈ n, σ ≤ 2n almost always{tag}", "")
     rows, ok = [], True
     for n, rs in by_n.items():
         h = _hist(rs)
@@ -157,15 +180,15 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
             ax.plot(xs, ys / ys.sum(), marker=".", label=f"n={n}")
         ax.set_xlabel("staleness σ")
         ax.set_ylabel("fraction of gradients")
-        ax.set_title(f"Staleness distribution, {lam}-learner n-softsync")
+        ax.set_title(f"Staleness distribution, {lam}-learner n-softsync{note}")
 
-    rep.figure("staleness_distribution.png", draw)
+    rep.figure(f"staleness_distribution{suffix}.png", draw)
 
     policies = _by(soft, lambda r: r["lr_policy"])
     hard_err = _mean([r["test_error"] for r in hard])  # NaN: no hardsync run measured one
     const = _errors_by(policies.get("constant", []), _n)
     stale = _errors_by(policies.get("staleness", []), _n)
-    rep.add("## 2. With a fixed α0, error rises with n and the largest n fails", "")
+    rep.add(f"## 2. With a fixed α0, error rises with n and the largest n fails{tag}", "")
     if len(const) >= 2:
         ns = sorted(const)
         rho = spearman(ns, [const[n] for n in ns])
@@ -178,7 +201,7 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         )
     else:
         rep.add(f"Verdict: {_verdict(None)} (needs constant-α runs for at least two n).", "")
-    rep.add("## 3. With α0/σ every n lands close to hardsync's error", "")
+    rep.add(f"## 3. With α0/σ every n lands close to hardsync's error{tag}", "")
     if stale and not math.isnan(hard_err):
         worst = max(stale.values()) - hard_err
         ok3 = worst <= 0.03
@@ -204,9 +227,9 @@ def _staleness_section(rep: _Report, runs: list[dict[str, Any]]) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("n (softsync)")
         ax.set_ylabel("test error")
-        ax.set_title(f"Test error per n, λ = {lam}")
+        ax.set_title(f"Test error per n, λ = {lam}{note}")
 
-    rep.figure("error_per_n.png", draw_err)
+    rep.figure(f"error_per_n{suffix}.png", draw_err)
 
 
 def _batch_section(rep: _Report, hard: list[dict[str, Any]], soft: list[dict[str, Any]]) -> None:
