@@ -13,6 +13,11 @@ the transfer, so this share is a lower bound and its ratio an upper bound), and 
 busy-polling as rudra-async's connections do (``RUDRA_ASYNC_BUSY_POLL_US``), for context.
 With ``--shards N`` it also times the same round trip against a group of N shard servers
 (one process each) and prints it next to the single server's.
+
+Where the large round trip's time goes: the CPU each side spends per round trip (the
+server process's, read from /proc, and this process's), for the raw echo and for
+rudra-async, over the timed round trips. On a host with few cores, the round trip cannot
+take less than both sides' CPU over the cores, whatever overlaps.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +39,28 @@ from rudra_async.config import ServerConfig
 from rudra_async.layout import Layout, Shard
 from rudra_async.server import ParameterServer
 from rudra_async.transports import polling
+
+
+class CpuMeter:
+    """CPU seconds of this process and of another (``pid``, read from /proc) between
+    :meth:`start` and :meth:`stop`, per ``count`` round trips."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.server = self.client = 0.0
+
+    def _other(self) -> float:
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def start(self) -> None:
+        self._at = (self._other(), time.process_time())
+
+    def stop(self, count: int) -> None:
+        server, client = self._at
+        self.server = (self._other() - server) / count
+        self.client = (time.process_time() - client) / count
 
 
 # -- baseline: raw uvloop echo of N bytes -------------------------------------------------------
@@ -93,17 +121,25 @@ def _serve_raw(nbytes: int, port_q, poll: bool = False) -> None:
     uvloop.run(main())
 
 
-async def raw_round_trips(port: int, nbytes: int, reps: int, poll: bool = False) -> list[float]:
+async def raw_round_trips(
+    port: int, nbytes: int, reps: int, poll: bool = False, cpu: CpuMeter | None = None
+) -> list[float]:
+    """Seconds per round trip of the raw echo (the first, a warm-up, left out; ``cpu``
+    measures the others)."""
     loop = asyncio.get_running_loop()
     _, proto = await loop.create_connection(lambda: _Client(nbytes, poll), "127.0.0.1", port)
     payload = bytearray(nbytes)
     times = []
-    for _ in range(reps + 1):
+    for i in range(reps + 1):
         proto.done = loop.create_future()
         t = time.perf_counter()
         proto.write(payload)
         await proto.done
         times.append(time.perf_counter() - t)
+        if cpu is not None and i == 0:
+            cpu.start()
+    if cpu is not None:
+        cpu.stop(reps)
     proto.transport.close()
     return times[1:]
 
@@ -151,34 +187,40 @@ async def rudra_round_trips(
     return times[1:]
 
 
-def raw_median(ctx, nbytes: int, reps: int, poll: bool = False) -> float:
-    """Median seconds per round trip of the raw echo (``poll``: both ends busy-poll)."""
+def raw_median(ctx, nbytes: int, reps: int, poll: bool = False) -> tuple[float, CpuMeter]:
+    """Median seconds per round trip of the raw echo (``poll``: both ends busy-poll), and
+    both sides' CPU per round trip."""
     port_q = ctx.Queue()
     raw = ctx.Process(target=_serve_raw, args=(nbytes, port_q, poll), daemon=True)
     raw.start()
-    raw_times = uvloop.run(raw_round_trips(port_q.get(timeout=30), nbytes, reps, poll))
+    cpu = CpuMeter(raw.pid)
+    raw_times = uvloop.run(raw_round_trips(port_q.get(timeout=30), nbytes, reps, poll, cpu))
     raw.kill()
-    return statistics.median(raw_times)
+    return statistics.median(raw_times), cpu
 
 
 def measure(size: int, reps: int, polled_raw: bool = False) -> dict:
     nbytes = 4 * size
     ctx = mp.get_context("spawn")
-    raw = raw_median(ctx, nbytes, reps)
-    rudra_times, update_per_rt = rudra_group(ctx, size, reps, 1)
+    raw, raw_cpu = raw_median(ctx, nbytes, reps)
+    rudra_cpu: list[CpuMeter] = []
+    rudra_times, update_per_rt = rudra_group(ctx, size, reps, 1, rudra_cpu)
     return {
         "bytes_per_rt": 2 * nbytes,
         "raw": raw,
-        "raw_polled": raw_median(ctx, nbytes, reps, poll=True) if polled_raw else None,
+        "raw_polled": raw_median(ctx, nbytes, reps, poll=True)[0] if polled_raw else None,
         "rudra": statistics.median(rudra_times),
         "update": update_per_rt,
+        "raw_cpu": raw_cpu,
+        "rudra_cpu": rudra_cpu[0],
     }
 
 
-def rudra_group(ctx, size: int, reps: int, shards: int) -> tuple[list[float], float]:
+def rudra_group(ctx, size: int, reps: int, shards: int, cpu: list[CpuMeter] | None = None) -> tuple[list[float], float]:
     """Round-trip times against ``shards`` server processes, and the slowest shard's update
     time per round trip over the timed ones (the warm-up's first update, which touches the
-    momentum's pages for the first time, left out)."""
+    momentum's pages for the first time, left out). With ``cpu``, one :class:`CpuMeter` per
+    shard is appended to it (this process's CPU in each)."""
     port_q = ctx.Queue()
     pipes, procs = [], []
     for i in range(shards):
@@ -189,13 +231,20 @@ def rudra_group(ctx, size: int, reps: int, shards: int) -> tuple[list[float], fl
         procs.append(proc)
     by_shard = dict(port_q.get(timeout=30) for _ in range(shards))
     marks = []
+    meters = [CpuMeter(proc.pid) for proc in procs]
 
     def mark() -> None:
         for here in pipes:
             here.send("mark")
             marks.append(here.recv())
+        for meter in meters:
+            meter.start()
 
     times = uvloop.run(rudra_round_trips(",".join(by_shard[i] for i in range(shards)), size, reps, after_warmup=mark))
+    for meter in meters:
+        meter.stop(reps)
+    if cpu is not None:
+        cpu += meters
     updates = []
     for here, proc, before in zip(pipes, procs, marks):
         here.send("stats")
@@ -228,6 +277,13 @@ def main() -> None:
     print(
         f"  rudra-async, transport only: {transport * 1e3:8.1f} ms  {gbps(transport):6.2f} GB/s   ratio {big['raw'] / transport:.2f}x"
     )
+    cores = len(os.sched_getaffinity(0))
+    for name, cpu in (("raw socket", big["raw_cpu"]), ("rudra-async", big["rudra_cpu"])):
+        both = cpu.server + cpu.client
+        print(
+            f"  CPU per round trip, {name:11}: server {cpu.server * 1e3:6.1f} ms + client {cpu.client * 1e3:6.1f} ms"
+            f" = {both * 1e3:6.1f} ms, over {cores} cores at least {both / cores * 1e3:6.1f} ms"
+        )
     if args.shards > 1:
         times, update = rudra_group(mp.get_context("spawn"), int(args.mb * 1e6 / 4), args.reps, args.shards)
         group = statistics.median(times)
