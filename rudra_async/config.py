@@ -157,7 +157,10 @@ class ServerConfig:
     )
     checkpoint_every: int | None = setting(None, "Also write the checkpoint every this many updates.", low=1)
     resume: str | None = setting(
-        None, "Start from this checkpoint instead of the first learner's weights.", metavar="FILE"
+        None,
+        "Start from this checkpoint instead of the first learner's weights ({shard} in the name "
+        "becomes the shard's index, as in --checkpoint).",
+        metavar="FILE",
     )
     shard: Shard = setting(
         factory=Shard,

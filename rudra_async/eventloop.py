@@ -7,6 +7,7 @@ Works on every Python the project supports (3.10+): no ``asyncio.Runner`` (3.11)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -36,6 +37,16 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         finally:
             asyncio.set_event_loop(None)
             loop.close()
+
+
+async def outlast(job: asyncio.Future[Any]) -> None:
+    """Return once ``job`` is done, even if this task is cancelled meanwhile, once or more:
+    for code that must not go on while ``job`` still uses something (a thread reading leased
+    memory, a process being started), typically in a ``finally``. Neither ``job``'s outcome
+    nor those cancellations are raised here."""
+    while not job.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([job])
 
 
 def run_sync(main: Coroutine[Any, Any, T]) -> T:

@@ -11,7 +11,6 @@ loop and no threads, so forking it is safe. Each learner runs
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -23,6 +22,7 @@ from typing import Any
 
 from ..config import LearnerConfig
 from ..errors import RudraError
+from ..eventloop import outlast
 
 #: what the fork server imports before any learner is forked from it
 PRELOAD = ["rudra_async.learner.loop", "rudra_async.learner.data"]
@@ -77,9 +77,8 @@ class LearnerGroup:
                     raise RudraError(f"the run did not finish within {timeout:g} s; learners were stopped")
                 await asyncio.sleep(0.05)
         finally:
-            while starting is not None and not starting.done():  # a start under way ends first
-                with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait for it
-                    await asyncio.wait([starting])
+            if starting is not None:  # a start under way ends first, even if cancelled again
+                await outlast(starting)
             self.kill()
         summaries: dict[int, dict[str, Any]] = {}
         while True:

@@ -28,6 +28,7 @@ import numpy as np
 from .. import checkpoint, security, transports
 from ..config import ServerConfig
 from ..errors import ConfigError, PeerGone, RudraError, UpdateFailed
+from ..eventloop import outlast
 from ..logs import rate_limited
 from ..transports.base import Connection, Listener, SharedMemory
 from ..wire import Frame, Limits
@@ -92,9 +93,11 @@ class ParameterServer:
             on_failure=self._failed,
             background=self._background,
         )
-        if cfg.resume is not None:
-            self.core.restore(checkpoint.load(cfg.resume), cfg.resume)
-            self.checkpointer.on_disk(cfg.resume, self.core.clock, written=False)
+        self._checkpointing = asyncio.Lock()  # checkpoints are written one at a time, in order
+        resume = checkpoint.shard_path(cfg.resume, cfg.shard, required=False)
+        if resume is not None:
+            self.core.restore(checkpoint.load(resume), resume)
+            self.checkpointer.on_disk(resume, self.core.clock, written=False)
         self._listeners: list[Listener] = []
         self._closed: asyncio.Event | None = None
         self._initialized: asyncio.Event | None = None
@@ -259,16 +262,26 @@ class ParameterServer:
         """Write a checkpoint now, to ``path`` or the configured one; returns its clock.
 
         The published weights are leased while the file is written in a thread (updates go on
-        into a spare buffer), so only the momentum is copied."""
-        store = self.core.store
+        into a spare buffer), so only the momentum is copied. Checkpoints are written one at
+        a time, in the order they were asked for, so a later one (the final one at close)
+        never lands before an earlier one. Cancelled, this returns only once the thread has
+        stopped reading the weights (the file is then written, or not, as the thread ends)."""
         target = path or self.checkpoint_path
-        if store is None or self._store_closed:
-            raise RudraError("the server has no weights to checkpoint", code="no_weights")
         if not target:
             raise ConfigError("no checkpoint path: pass one or configure --checkpoint")
-        await self.updates_computed()
-        with store.lease() as (clock, weights):
-            await asyncio.to_thread(checkpoint.save, target, self.core.snapshot(clock, weights))
+        async with self._checkpointing:
+            store = self.core.store
+            if store is None or self._store_closed:
+                raise RudraError("the server has no weights to checkpoint", code="no_weights")
+            await self.updates_computed()
+            with store.lease() as (clock, weights):
+                saving = asyncio.ensure_future(
+                    asyncio.to_thread(checkpoint.save, target, self.core.snapshot(clock, weights))
+                )
+                try:
+                    await asyncio.shield(saving)
+                finally:
+                    await outlast(saving)  # the lease ends only once the thread no longer reads the weights
         self.checkpointer.on_disk(target, clock)
         log.info("checkpoint of update %d written to %s", clock, target)
         return clock
