@@ -37,6 +37,17 @@ DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
 PROTOCOL_OPTIONS = {"softsync": ("n", "n"), "bounded": ("s", "staleness_bound"), "backup": ("b", "backup")}
 
 
+def check_overlap(server: ServerConfig, learner: LearnerOptions) -> None:
+    """ConfigError for learners that overlap under a protocol that would drop their gradients."""
+    if learner.overlap:
+        from .server.core import make_protocol
+        from .sync import overlap_breaks
+
+        why = overlap_breaks(make_protocol(server).describe())
+        if why is not None:
+            raise ConfigError(f"--overlap cannot train with --protocol {server.protocol}: {why}")
+
+
 def check_tls_pair(server: ServerConfig, tls_ca: str | None) -> None:
     """A run that starts its own learners: they verify the server's certificate with ``tls_ca``."""
     if bool(server.tls_cert) != bool(tls_ca):
@@ -126,7 +137,8 @@ class ServerConfig:
     learner_timeout: float | None = setting(
         None,
         "Evict from the round a learner that has not pushed for this many seconds after it got its weights "
-        "(hardsync, backup, bounded, softsync; not async); it rejoins when it pushes or pulls again.",
+        "(hardsync, backup, bounded; not async or softsync, which wait for nobody); it rejoins when it "
+        "pushes or pulls again.",
         above=0,
     )
     max_connections: int = setting(1024, "Most connections at once (more are closed on arrival).", low=1)
@@ -374,6 +386,7 @@ class TrainConfig:
         check_ranges(self)
         self.learner.validate()
         self.server.validate().check_learners(self.learners)
+        check_overlap(self.server, self.learner)
         check_tls_pair(self.server, self.tls_ca)
         if transport_for(self.listen_url()).in_process:
             raise ConfigError(f"transport {self.transport!r} cannot reach learner processes; use tcp, shm or ucx")
@@ -438,6 +451,7 @@ class LaunchConfig:
         the launch reads its environment (:func:`rudra_async.runs.launch.resolve`)."""
         check_ranges(self)
         self.server.validate().check_shards(self.servers)
+        check_overlap(self.server, self.learner)
         check_tls_pair(self.server, self.tls_ca)
         self.learner.validate()
         return self

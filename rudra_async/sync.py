@@ -30,6 +30,7 @@ __all__ = [
     "Hardsync",
     "Softsync",
     "SyncProtocol",
+    "overlap_breaks",
 ]
 
 
@@ -137,9 +138,11 @@ class SyncProtocol:
 
 
 class Softsync(SyncProtocol):
-    """n-softsync: every c = ⌊λ/n⌋ gradients, from any learners, make an update; no barrier."""
+    """n-softsync: every c = ⌊λ/n⌋ gradients, from any learners, make an update; no barrier
+    (so no learner is waited for, and none evicted: a slow one's gradients still count)."""
 
     name = "softsync"
+    waits_for_members = False
 
     def __init__(self, n: int = 1, now: Callable[[], float] = time.monotonic) -> None:
         super().__init__(now)
@@ -178,7 +181,6 @@ class Async(Softsync):
     """Downpour async SGD: every gradient is an update (c = 1)."""
 
     name = "async"
-    waits_for_members = False
     answers_at_once = True
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
@@ -297,7 +299,9 @@ class Backup(Hardsync):
 class Bounded(SyncProtocol):
     """Bounded staleness (stale-synchronous): no gradient is applied with σ > s.
 
-    Gradients are applied on arrival (c = 1) unless advancing the clock would leave a
+    A gradient that arrives with σ > s already (its learner computed on weights older than
+    the server counted on: it overlaps its exchanges, or pushed while its weights were still
+    on their way) is dropped. Others are applied on arrival (c = 1) unless advancing the clock would leave a
     learner still computing on weights older than clock + 1 − s; then the gradient is held
     and **the pusher waits at push** (its reply is deferred until its gradient is applied).
     Waiting at push, not at pull, is what keeps the bound: it is applying the fast learner's
@@ -319,6 +323,8 @@ class Bounded(SyncProtocol):
         return {"protocol": self.name, "staleness_bound": self.s}
 
     def on_push(self, grad: Gradient) -> Decision:
+        if self.clock - grad.stamp > self.s:
+            return Decision(dropped=[grad])
         self.held.append(grad)
         return Decision(updates=self._drain(), wait_applied=True)
 
@@ -345,3 +351,17 @@ class Bounded(SyncProtocol):
             batches.append(batch)
             clock += 1
         return batches
+
+
+def overlap_breaks(protocol: dict[str, Any]) -> str | None:
+    """Why learners that overlap their exchanges with computing (each gradient computed on the
+    weights of the exchange before: σ ≥ 1) cannot train under ``protocol`` (its description,
+    :meth:`SyncProtocol.describe`, as a WELCOME carries it), or None where they can."""
+    name = protocol.get("protocol")
+    if name in (Hardsync.name, Backup.name):
+        return (
+            f"{name} drops every gradient computed on weights older than its round's, as an overlapping learner's are"
+        )
+    if name == Bounded.name and protocol.get("staleness_bound") == 0:
+        return "bounded with a staleness bound of 0 drops every gradient with σ > 0, as an overlapping learner's are"
+    return None

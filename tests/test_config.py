@@ -155,3 +155,14 @@ def test_each_shard_of_a_group_serves_its_metrics_on_its_own_port():
     assert ports == ["127.0.0.1:9100", "127.0.0.1:9101", "127.0.0.1:9102"]
     assert ServerConfig(metrics="0").for_shard(Shard(1, 2), "tcp://127.0.0.1:0").metrics == "0"  # any free port
     assert ServerConfig().for_shard(Shard(1, 2), "tcp://127.0.0.1:0").metrics is None
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_overlap_with_a_protocol_that_drops_stale_gradients_is_refused_up_front(command):
+    """--overlap makes every gradient one exchange stale: under hardsync (or backup, or bounded
+    with s = 0) each would be dropped, so train and launch refuse the pair before starting."""
+    base = ["--overlap", *(["--rendezvous", "/tmp/x"] if command == "launch" else []), "--protocol"]
+    for protocol in (["hardsync"], ["backup", "--backup", "1"], ["bounded", "--staleness-bound", "0"]):
+        result = CliRunner().invoke(main, [command, *base, *protocol, "--show-config"])
+        assert result.exit_code != 0 and f"--overlap cannot train with --protocol {protocol[0]}" in result.output
+    assert show_config(command, *base, "bounded", "--staleness-bound", "1")["overlap"] is True

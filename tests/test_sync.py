@@ -180,6 +180,19 @@ def test_bounded_never_applies_staler_than_s(s):
     assert p.clock > 30  # and it made progress: no deadlock
 
 
+def test_bounded_drops_a_gradient_that_arrives_staler_than_s():
+    """Learner 1 computed on θ_0 without the protocol knowing (its weights were still on
+    their way, or it overlaps its exchanges): by the time its gradient arrives the clock is 3,
+    so applying it would break the bound (σ = 3 > s = 1). It is dropped, not applied."""
+    p = members(Bounded(1), 0, 1)
+    for t in range(3):
+        p.pulled(0, t)
+        assert learners_of(p.push(Gradient(0, t)).updates) == [[0]]
+    late = p.push(Gradient(1, 0))
+    assert late.updates == [] and [g.learner for g in late.dropped] == [1] and p.clock == 3
+    assert learners_of(p.push(Gradient(1, 2)).updates) == [[1]]  # σ = 1: applied
+
+
 def test_bounded_zero_is_a_barrier_not_a_deadlock():
     p = members(Bounded(0), 0, 1)
     p.pulled(0, 0)

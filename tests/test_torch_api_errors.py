@@ -98,6 +98,24 @@ def test_settings_and_layers_the_server_cannot_run_are_refused_before_any_gradie
         assert ps.clock == 0 and ps.stats()["gradients"] == 0
 
 
+@pytest.mark.parametrize(
+    "protocol, options", [("hardsync", {}), ("backup", {"backup": 1}), ("bounded", {"staleness_bound": 0})]
+)
+def test_overlap_is_refused_where_the_protocol_would_drop_every_overlapped_gradient(protocol, options):
+    """An overlapping learner's gradients are one exchange stale (σ ≥ 1): hardsync and backup
+    drop every gradient older than the round's, bounded with s = 0 every one with σ > 0. Such a
+    learner would train on every other step at best, so it is refused at once (and the same
+    settings are a ConfigError for train); without overlap the same server trains."""
+    with server_thread(protocol=protocol, lr=0.1, kernel="numpy", **options) as ps:
+        model = nn.Linear(4, 2)
+        with pytest.raises(LearnerError, match=f"overlap=True cannot train on this server: {protocol} "):
+            rt.DistributedOptimizer(model, ps.addresses[0], overlap=True)
+        with rt.DistributedOptimizer(model, ps.addresses[0]) as opt:
+            opt.zero_grad()
+            backward(model)
+            assert opt.step(samples=8) and ps.clock == 1
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_refused_gradient_is_raised_once_and_training_goes_on(overlap):
     """A NaN gradient is refused (bad_gradient). Without overlap its step() raises; with

@@ -43,6 +43,7 @@ from torch import nn
 
 from ..client import Gradient, Stamp, SyncClient, Weights, went_back
 from ..errors import LearnerError, RemoteError, TransportError, quoted
+from ..sync import overlap_breaks
 from .binding import FlatParameters, sparse_gradients
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,8 @@ class DistributedOptimizer:
                 )
             )
             check_optimizer(optimizer, self.client.welcome)
+            if overlap and (why := overlap_breaks(self.client.welcome)) is not None:
+                raise LearnerError(f"overlap=True cannot train on this server: {why}")
             self.client.set_weights_buffer(self.flat.host_weights)  # pulled weights land in the model (CPU)
             self._arrived(self._call(self.client.pull))
         except BaseException:
