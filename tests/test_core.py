@@ -446,3 +446,27 @@ def test_a_learner_is_alone_while_no_other_has_a_request_in_progress():
     assert core.alone(b)
     a.writing = False
     assert not core.alone(b)
+
+
+def test_updates_dropped_at_the_end_of_a_run_are_not_counted_by_the_protocol():
+    """A bounded drain that releases two updates when the run has room for one: the second is
+    dropped, and the protocol's clock stays the server's, so a run extended afterwards
+    (``stop_at``) checks its bound against the right clock."""
+    cfg = ServerConfig(kernel="numpy", protocol="bounded", staleness_bound=1, momentum=0.0, max_updates=2)
+    core = ServerCore(cfg)
+    a, b, c = hello(core), hello(core, initial=None), hello(core, initial=None)
+    g = np.ones(LAYOUT.size, np.float32)
+    for learner in (a, b, c):
+        core.pulled(learner, 0)
+    assert push(core, b, g).outcome == "applied"
+    core.pulled(b, 1)
+    held = [push(core, b, g), push(core, c, g, timestamp=0)]  # would take a past the bound: held
+    assert [p.outcome for p in held] == ["pending", "pending"] and core.clock == 1
+    core.leave(a)  # releases both: the first ends the run, the second is dropped
+    assert core.clock == 2 and core.stopped and sorted(p.outcome for p in held) == ["applied", "dropped"]
+    assert core.protocol.clock == core.clock
+    core.stop_at(100)
+    d = hello(core, initial=None)
+    core.pulled(b, 2)
+    core.pulled(d, 2)
+    assert push(core, b, g).outcome == "applied" and core.clock == 3  # σ of d becomes 1 <= s: at once

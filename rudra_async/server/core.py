@@ -630,12 +630,14 @@ class ServerCore:
     def _decide(self, decision: Decision) -> None:
         """Carry out a protocol decision: apply its batches in order, count its drops. Once the
         run has stopped, gradients a protocol released or still holds are not applied: their
-        pushes are answered ``dropped`` and counted under ``rejected["stopped"]``."""
+        pushes are answered ``dropped`` and counted under ``rejected["stopped"]``, and the
+        protocol's clock, which counted their update, goes back to the server's."""
         for batch in decision.updates:
             if self.stopped:
                 for g in batch:
                     g.payload.settle("dropped")
                     self.reject("stopped")
+                self.protocol.clock -= 1  # that update never happens (a run extended later goes on from here)
             else:
                 self._apply(batch)
         for g in decision.dropped:
