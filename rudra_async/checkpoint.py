@@ -11,13 +11,19 @@ state) and ``info`` (free-form: the server's settings, for people reading the fi
 
 :func:`save` writes to a temporary file in the same directory (``.NAME.PID.*.tmp``), fsyncs
 it and renames it over the target, so a crash at any moment leaves either the old or the new
-checkpoint, never a mix; the next save deletes the temporaries of processes that are gone. :func:`load` refuses a file that is not a checkpoint, is truncated or fails its CRC,
-with a :class:`~rudra_async.errors.CheckpointError` that says which.
+checkpoint, never a mix. A save holds an exclusive ``flock`` on its temporary until it is
+renamed; the next save deletes those it can lock (left by a save that was killed).
+:func:`load` refuses a file that is not a checkpoint, is truncated, fails its CRC, is larger
+than its limits allow or holds values a server would not resume from, with a
+:class:`~rudra_async.errors.CheckpointError` that says which.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import math
 import os
 import re
 import tempfile
@@ -29,9 +35,12 @@ from typing import Any, BinaryIO
 import msgpack
 import numpy as np
 
-from .errors import CheckpointError, ConfigError, RudraError
+from .errors import CheckpointError, ConfigError, RudraError, quoted
+from .kernels import max_abs
 from .layout import Layout, Shard
-from .wire import HEADER_SIZE, Limits, MsgType, decode_meta, encode_frame, parse_segments, spec_of, unpack_header
+from .lr import check_policy_state
+from .schema import INT64_MAX
+from .wire import HEADER_SIZE, Limits, MsgType, encode_frame, parse_segments, spec_of, unpack_header
 
 __all__ = [
     "FORMAT",
@@ -43,6 +52,13 @@ __all__ = [
 
 FORMAT = 1
 _LIMITS = Limits(max_meta=1 << 28, max_body=1 << 62)  # two copies of the model; a long LR-policy window
+#: bounds on decoding the metadata, so that a small file cannot decode into a huge object graph:
+#: each string, bytes, list and map, and all maps and lists together (their values in all)
+_MAX_STR = 1 << 20  # a tensor name, a setting in ``info``
+_MAX_MAP = 1 << 20  # entries of one map: the staleness histogram's values of σ
+_MAX_VALUES = 1 << 24  # values of all lists and maps: a mean-staleness window of up to ~16M values
+_MAX_CONTAINERS = 1 << 20  # lists and maps: a layout and groups fit in a HELLO's 1 MiB (< 2^20 lists)
+_TEMPORARY_TRIES = 10  # temporaries a save makes before it gives up (each deleted by a cleanup as it was made)
 
 
 @dataclass
@@ -74,6 +90,10 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
     arrays = [np.ascontiguousarray(a, np.float32).reshape(-1) for a in (ckpt.weights, ckpt.momentum)]
     if any(a.size != ckpt.size for a in arrays):
         raise CheckpointError(f"weights and momentum must have {ckpt.size} values each")
+    try:
+        _check_state(ckpt.state, ckpt.layout)  # never write what load would refuse
+    except (ValueError, RudraError) as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: bad 'state': {exc}") from None
     meta = {
         "format": FORMAT,
         "clock": int(ckpt.clock),
@@ -87,7 +107,7 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         "seg": [spec_of(a).to_wire() for a in arrays],  # as encode_frame writes it: covered by meta_crc32
     }
     try:
-        meta["meta_crc32"] = _meta_crc(decode_meta(msgpack.packb(meta, use_bin_type=True)))  # as it reads back
+        meta["meta_crc32"] = _meta_crc(_decode_meta(msgpack.packb(meta, use_bin_type=True)))  # as it reads back
     except (ValueError, TypeError, OverflowError) as exc:  # metadata msgpack cannot encode
         raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
     directory = os.path.dirname(os.path.abspath(path))
@@ -95,15 +115,15 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
     _remove_orphans(directory, prefix)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
-        with open(fd, "wb") as f:
+        fd, tmp = _create_temporary(directory, prefix)
+        with open(fd, "wb") as f:  # closing it releases the lock: after the rename
             for buf in encode_frame(MsgType.CHECKPOINT, meta, arrays, _LIMITS):
                 f.write(buf)
             f.flush()
             os.fsync(f.fileno())
-        with contextlib.suppress(OSError):  # mkstemp made it 0600; give it what open() would
-            os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
+            with contextlib.suppress(OSError):  # mkstemp made it 0600; give it what open() would
+                os.fchmod(f.fileno(), 0o666 & ~_UMASK)
+            os.replace(tmp, path)
         _fsync_directory(directory)
     except BaseException as exc:
         if tmp is not None:  # never leave a model-sized temporary behind
@@ -122,28 +142,51 @@ def _meta_crc(meta: dict[str, Any]) -> int:
     return zlib.crc32(msgpack.packb({k: v for k, v in meta.items() if k != "meta_crc32"}, use_bin_type=True))
 
 
+def _create_temporary(directory: str, prefix: str) -> tuple[int, str]:
+    """A new temporary file for a save (``prefix`` + pid + ``.`` + mkstemp's 8 characters +
+    ``.tmp``), open, and locked with an exclusive ``flock`` that the save holds until it has
+    renamed it: what tells :func:`_remove_orphans` it is not a leftover. A cleanup may lock
+    and delete it between its creation and the lock; then another is made. (Where the file
+    system has no ``flock``, it is not locked, and no cleanup can lock it either.)"""
+    for _ in range(_TEMPORARY_TRIES):
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits for a cleanup that holds it (and has deleted it)
+            if os.fstat(fd).st_nlink:
+                return fd, tmp
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+    raise OSError(errno.EAGAIN, "its temporary files were deleted as they were made")
+
+
 def _remove_orphans(directory: str, prefix: str) -> None:
-    """Delete the temporaries of saves of this checkpoint whose process is gone (killed
-    mid-save: each is model-sized): exactly ``prefix`` + pid + ``.`` + mkstemp's 8 characters
-    + ``.tmp``, so another checkpoint's (``NAME.1000``'s, say) never matches. Those of a
-    living process, and anything else, stay."""
-    orphan = re.compile(re.escape(prefix) + r"([0-9]{1,7})\.[a-z0-9_]{8}\.tmp")
+    """Delete the temporaries of saves of this checkpoint that were killed mid-save (each is
+    model-sized): files named exactly as :func:`_create_temporary` names them (so another
+    checkpoint's, ``NAME.1000``'s say, never match) that no save holds locked. Those a save
+    is writing, and anything else, stay."""
+    orphan = re.compile(re.escape(prefix) + r"[0-9]{1,7}\.[a-z0-9_]{8}\.tmp")
     with contextlib.suppress(OSError), os.scandir(directory) as entries:
         for entry in entries:
-            match = orphan.fullmatch(entry.name)
-            if match and not _alive(int(match[1])):
+            if orphan.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
+                    _remove_unlocked(entry.path)
 
 
-def _alive(pid: int) -> bool:
+def _remove_unlocked(path: str) -> None:
+    """Delete ``path`` if no one holds a ``flock`` on it, holding one meanwhile (so a save that
+    has just made it and waits for its lock finds it deleted); raises OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # another user's process; a pid beyond the platform's
-        return True
-    return True
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a save holds it
+        if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+            os.unlink(path)
+    finally:
+        os.close(fd)
 
 
 def load(path: str | os.PathLike[str]) -> Checkpoint:
@@ -168,7 +211,10 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
     if size != expected:
         raise CheckpointError(f"{path} is truncated or padded: {size} bytes, the header says {expected}")
     try:
-        meta = decode_meta(f.read(header.meta_len))
+        meta = _decode_meta(f.read(header.meta_len))
+    except ValueError as exc:
+        raise CheckpointError(f"{path} has bad metadata: {exc}") from None
+    try:
         specs = parse_segments(meta, header.body_len)
         layout = Layout.from_wire(meta.get("layout"))
         shard = Shard.from_wire(meta.get("shard"))
@@ -181,16 +227,82 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
         raise CheckpointError(f"{path} is corrupt: its metadata fails its CRC-32 check")
     if [(s.dtype.str, s.shape) for s in specs] != [("<f4", (hi - lo,))] * 2:
         raise CheckpointError(f"{path} must hold two float32 segments of {hi - lo} values")
-    arrays = [np.empty(hi - lo, np.float32) for _ in specs]
-    for a, crc in zip(arrays, _list(meta, "crc32", 2)):
+    crcs = _list(meta, "crc32", 2, path)
+    clock, samples = _int(meta, "clock", path), _int(meta, "samples", path)
+    state = meta.get("state", {})
+    try:
+        _check_state(state, layout)
+    except (ValueError, RudraError) as exc:
+        raise CheckpointError(f"{path} has a bad 'state': {exc}") from None
+    try:
+        arrays = [np.empty(hi - lo, np.float32) for _ in specs]
+    except MemoryError:  # numpy's _ArrayMemoryError too
+        raise CheckpointError(f"{path} holds 2 x {hi - lo} values: not enough memory to read them") from None
+    for a, crc in zip(arrays, crcs):
         _read_exactly(f, a.data.cast("B"))
         if zlib.crc32(a.data) != crc:
             raise CheckpointError(f"{path} is corrupt: a segment fails its CRC-32 check")
-    clock, samples = _int(meta, "clock"), _int(meta, "samples")
-    info, state = (_map(meta, k) for k in ("info", "state"))
+    if not all(math.isfinite(max_abs(a)) for a in arrays):
+        raise CheckpointError(f"{path} holds weights or momentum that are not finite")
+    info = _map(meta, "info")
     saved_at = meta.get("saved_at", 0.0)
     saved_at = float(saved_at) if isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool) else 0.0
     return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, saved_at, shard, state)
+
+
+def _decode_meta(data: bytes | memoryview) -> dict[str, Any]:
+    """Decode a metadata map within the bounds above (``_MAX_*``): what it may cost is bounded
+    whatever the file's length. Raises ValueError (with msgpack's reason) if it is not one."""
+    budget = _Budget()
+    try:
+        meta = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            object_hook=budget,
+            list_hook=budget,
+            max_str_len=_MAX_STR,
+            max_bin_len=_MAX_STR,
+            max_array_len=_MAX_VALUES,
+            max_map_len=_MAX_MAP,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types; MemoryError too
+        raise ValueError(f"not valid msgpack within a checkpoint's limits ({type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, dict):
+        raise ValueError("not a msgpack map")
+    return meta
+
+
+class _Budget:
+    """msgpack's hook for each list and map decoded: counts them and their values, and stops
+    the decoding past ``_MAX_CONTAINERS`` or ``_MAX_VALUES``."""
+
+    def __init__(self) -> None:
+        self.containers = self.values = 0
+
+    def __call__(self, obj: Any) -> Any:
+        self.containers += 1
+        self.values += len(obj)
+        if self.containers > _MAX_CONTAINERS or self.values > _MAX_VALUES:
+            raise ValueError(f"more than {_MAX_CONTAINERS} lists and maps or {_MAX_VALUES} values in them")
+        return obj
+
+
+def _check_state(state: Any, layout: Layout) -> None:
+    """Check ``state`` as a server restores it, so that a restore cannot fail half-way: a map
+    whose ``staleness`` is a valid histogram, whose ``lr_policy`` is a map (a valid
+    mean-staleness state if it has that policy's keys) and whose ``groups``, if present,
+    cover ``layout``. Raises ValueError or RequestError naming what is wrong."""
+    from .server.groups import parse_groups  # here: rudra_async.server imports this module
+    from .server.stats import parse_histogram
+
+    if not isinstance(state, dict):
+        raise ValueError(f"must be a map, got {type(state).__name__}")
+    parse_histogram(state.get("staleness", {}))
+    check_policy_state(state.get("lr_policy", {}))
+    if "groups" in state:
+        parse_groups(state["groups"], layout)
 
 
 def _map(meta: dict[str, Any], key: str) -> dict[str, Any]:
@@ -198,17 +310,19 @@ def _map(meta: dict[str, Any], key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _int(meta: dict[str, Any], key: str) -> int:
+def _int(meta: dict[str, Any], key: str, path: str) -> int:
     value = meta.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CheckpointError(f"checkpoint metadata {key!r} must be an integer >= 0, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT64_MAX:
+        raise CheckpointError(
+            f"{path} has bad metadata: {key!r} must be an integer in [0, 2^63-1], got {quoted(value)}"
+        )
     return value
 
 
-def _list(meta: dict[str, Any], key: str, n: int) -> list[int]:
+def _list(meta: dict[str, Any], key: str, n: int, path: str) -> list[int]:
     value = meta.get(key)
     if not isinstance(value, list) or len(value) != n or not all(isinstance(v, int) for v in value):
-        raise CheckpointError(f"checkpoint metadata {key!r} must be a list of {n} integers, got {value!r}")
+        raise CheckpointError(f"{path} has bad metadata: {key!r} must be a list of {n} integers, got {quoted(value)}")
     return value
 
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, quoted
+from .schema import INT64_MAX
 
 __all__ = [
     "Constant",
@@ -70,7 +71,14 @@ class StalenessPlusOne(LRPolicy):
 
 
 class MeanStaleness(LRPolicy):
-    """α0/⟨σ⟩ with ⟨σ⟩ over the last ``window`` gradients (0: the whole run), at least 1."""
+    """α0/⟨σ⟩ with ⟨σ⟩ over the last ``window`` gradients (0: the whole run), at least 1.
+
+    :meth:`state` describes itself: ``window``; ``sum`` and ``count`` of every σ observed
+    in the run; ``recent``, the last min(``window``, ``count``) of them. :meth:`load_state`
+    continues from the state of a run with another window where that state has the values
+    the new mean needs (a smaller window, or 0: the whole run), and raises ValueError where
+    it has not (a larger window than the checkpoint's, or any after one of 0, once the run
+    has observed more values than the checkpoint kept)."""
 
     name = "mean-staleness"
 
@@ -79,35 +87,117 @@ class MeanStaleness(LRPolicy):
             raise ConfigError(f"mean-staleness window must be >= 0, got {window}")
         self.window = window
         self._recent: deque[int] = deque(maxlen=window or None)  # only kept with a window
-        self._sum = 0
+        self._recent_sum = 0
+        self._sum = 0  # of the whole run
         self._count = 0
 
     def observe(self, sigma: int) -> None:
         if self.window:
             if len(self._recent) == self.window:
-                self._sum -= self._recent[0]
-                self._count -= 1
+                self._recent_sum -= self._recent[0]
             self._recent.append(sigma)
+            self._recent_sum += sigma
         self._sum += sigma
         self._count += 1
 
     def state(self) -> dict[str, Any]:
-        return {"sum": self._sum, "count": self._count, "recent": list(self._recent)}
+        return {"window": self.window, "sum": self._sum, "count": self._count, "recent": list(self._recent)}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        recent = [int(s) for s in state.get("recent", [])][-self.window :] if self.window else []
-        if self.window:  # the window's own sums (the checkpointed run may have had another window)
-            self._recent = deque(recent, maxlen=self.window)
-            self._sum, self._count = sum(recent), len(recent)
+        """Continue from :meth:`state` (or that of an earlier version: see
+        :func:`read_mean_staleness`); raises ValueError, changing nothing, if ``state`` is
+        not one or lacks the values this window needs."""
+        saved = read_mean_staleness(state)
+        if self.window:
+            needed = min(self.window, saved.count)
+            if len(saved.recent) < needed:
+                raise ValueError(
+                    f"mean-staleness: the checkpoint keeps the last {len(saved.recent)} of the run's {saved.count} "
+                    f"staleness values (window {saved.window}); a window of {self.window} needs the last {needed}: "
+                    f"resume with --mean-staleness-window 0" + (f" or at most {saved.window}" if saved.window else "")
+                )
+            recent = saved.recent[-self.window :]
+        elif not saved.whole_run:
+            raise ValueError(
+                "mean-staleness: the checkpoint (of an earlier version, written with a window) keeps only the "
+                "window's staleness values, not the whole run's: resume with --mean-staleness-window > 0"
+            )
         else:
-            self._sum, self._count = int(state.get("sum", 0)), int(state.get("count", 0))
+            recent = []
+        self._recent = deque(recent, maxlen=self.window or None)
+        self._recent_sum = sum(recent)
+        self._sum, self._count = saved.sum, saved.count
 
     @property
     def mean(self) -> float:
+        if self.window:
+            return self._recent_sum / len(self._recent) if self._recent else 0.0
         return self._sum / self._count if self._count else 0.0
 
     def factor(self, sigma: int) -> float:
         return 1.0 / max(1.0, self.mean)
+
+
+@dataclass(frozen=True)
+class SavedMeanStaleness:
+    """A :class:`MeanStaleness` state read back and checked (:func:`read_mean_staleness`).
+    ``whole_run`` False: ``sum`` and ``count`` are only those of ``recent`` (a file of an
+    earlier version written with a window, whose ``window`` is unknown: None)."""
+
+    window: int | None
+    sum: int
+    count: int
+    recent: list[int]
+    whole_run: bool = True
+
+
+#: the keys of a :class:`MeanStaleness` state: a checkpoint's ``lr_policy`` map with any of
+#: them is read as one, whatever policy the resuming server has
+MEAN_STALENESS_KEYS = ("window", "sum", "count", "recent")
+
+
+def read_mean_staleness(state: Any) -> SavedMeanStaleness:
+    """Read a :meth:`MeanStaleness.state` map: ``window``, ``sum``, ``count``: ints in
+    [0, 2^63−1]; ``recent``: a list of min(``window``, ``count``) such ints whose sum is at
+    most ``sum``. A map without ``window`` is one of an earlier version: ``sum`` and
+    ``count`` (default 0) of the whole run and no ``recent`` if written without a window,
+    else ``recent`` (the window's values) and their ``sum`` and ``count``. Raises ValueError
+    naming what is wrong."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the mean-staleness state must be a map, got {type(state).__name__}")
+    recent = state.get("recent", [])
+    if not isinstance(recent, list) or not all(_count(v) for v in recent):
+        raise ValueError("mean-staleness 'recent' must be a list of ints in [0, 2^63-1]")
+    for key in ("window", "sum", "count"):
+        if key in state and not _count(state[key]):
+            raise ValueError(f"mean-staleness {key!r} must be an int in [0, 2^63-1], got {quoted(state[key])}")
+    if "window" not in state:  # an earlier version's
+        if recent:  # written with a window: its sum and count were the window's
+            return SavedMeanStaleness(None, sum(recent), len(recent), recent, whole_run=False)
+        return SavedMeanStaleness(0, state.get("sum", 0), state.get("count", 0), [])
+    if "sum" not in state or "count" not in state:
+        raise ValueError("mean-staleness state has a 'window' but no 'sum' or 'count'")
+    window, total, count = state["window"], state["sum"], state["count"]
+    if len(recent) != min(window, count) or sum(recent) > total or (total and not count):
+        raise ValueError(
+            f"mean-staleness state is inconsistent: {len(recent)} recent values summing to {sum(recent)}, "
+            f"window {window}, {count} values summing to {total}"
+        )
+    return SavedMeanStaleness(window, total, count, recent)
+
+
+def check_policy_state(state: Any) -> None:
+    """Check a checkpoint's ``lr_policy`` entry whatever policy will load it: a map (what
+    :meth:`LRPolicy.state` returns); one with any of :data:`MEAN_STALENESS_KEYS` must be a
+    valid :class:`MeanStaleness` state. Raises ValueError naming what is wrong."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the LR policy's state must be a map, got {type(state).__name__}")
+    if any(key in state for key in MEAN_STALENESS_KEYS):
+        read_mean_staleness(state)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_MAX
 
 
 @dataclass

@@ -3,13 +3,16 @@ checkpoint continues exactly where the checkpointed one was (weights, momentum, 
 
 import asyncio
 import concurrent.futures
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import time
+import tracemalloc
 import zlib
 
+import msgpack
 import numpy as np
 import pytest
 from helpers import (
@@ -30,8 +33,9 @@ from helpers import (
 from rudra_async import CheckpointError, ConfigError, ParameterServer, ServerConfig
 from rudra_async import checkpoint as ckpt
 from rudra_async.client import Client
+from rudra_async.lr import MeanStaleness
 from rudra_async.server.checkpointer import Checkpointer
-from rudra_async.wire import MsgType, encode_frame
+from rudra_async.wire import Header, MsgType, encode_frame
 
 SGD = dict(protocol="async", lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
 
@@ -345,12 +349,12 @@ async def test_resuming_with_another_lr_says_that_the_checkpoints_groups_are_use
 
 def test_a_save_deletes_the_temporaries_of_saves_killed_midway(tmp_path):
     """A save killed midway (SIGKILL) leaves its model-sized temporary; the next save of the
-    same checkpoint deletes those of processes that are gone, and keeps those of living ones."""
+    same checkpoint deletes those no save holds locked, and keeps those of saves still writing."""
     path = tmp_path / "run.ckpt"
     dead = subprocess.Popen(["true"])
     dead.wait()
     orphan = tmp_path / f".run.ckpt.{dead.pid}.abc123_x.tmp"
-    living = tmp_path / f".run.ckpt.{os.getppid()}.def456yz.tmp"  # another save, still running
+    living = tmp_path / f".run.ckpt.{os.getppid()}.def456yz.tmp"  # another save, still writing: it holds its lock
     others = [  # other checkpoints' temporaries (run.ckpt.1000's, a save still writing), and stray names
         tmp_path / f".other.ckpt.{dead.pid}.ghi789_z.tmp",
         tmp_path / f".run.ckpt.1000.{os.getpid()}.jkl012ab.tmp",
@@ -359,10 +363,46 @@ def test_a_save_deletes_the_temporaries_of_saves_killed_midway(tmp_path):
     ]
     for f in (orphan, living, *others):
         f.write_bytes(b"partial")
-    ckpt.save(path, sample_checkpoint())
+    with open(living, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        ckpt.save(path, sample_checkpoint())
     assert not orphan.exists() and living.exists() and all(f.exists() for f in others)
     assert len(list(tmp_path.iterdir())) == 2 + len(others)
     assert ckpt.load(path).clock == sample_checkpoint().clock
+
+
+def test_a_leftover_with_this_processs_pid_is_deleted(tmp_path):
+    """A container's server has the same pid at every start: the temporary of a save of its
+    previous start, killed midway, bears this process's pid, and is still deleted (no save
+    holds its lock), while a temporary symlink of that name is left alone."""
+    path = tmp_path / "run.ckpt"
+    leftover = tmp_path / f".run.ckpt.{os.getpid()}.abcd1234.tmp"
+    leftover.write_bytes(b"\0" * 1024)
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    link = tmp_path / f".run.ckpt.{os.getpid()}.efgh5678.tmp"
+    link.symlink_to(target)
+    ckpt.save(path, sample_checkpoint())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([link.name, "run.ckpt", "target"])
+    assert target.read_bytes() == b"keep"
+
+
+def test_a_cleanup_that_deletes_a_new_temporary_before_its_lock_makes_the_save_start_again(tmp_path, monkeypatch):
+    """The window between a temporary's creation and its lock: a cleanup that locks and
+    deletes it there makes the save make another, and the save succeeds."""
+    made = []
+    real = ckpt.tempfile.mkstemp
+
+    def mkstemp_then_cleanup(**kwargs):
+        fd, name = real(**kwargs)
+        made.append(name)
+        if len(made) == 1:  # another save's cleanup, between this one's mkstemp and its flock
+            ckpt._remove_orphans(str(tmp_path), ".run.ckpt.")
+        return fd, name
+
+    monkeypatch.setattr(ckpt.tempfile, "mkstemp", mkstemp_then_cleanup)
+    ckpt.save(tmp_path / "run.ckpt", sample_checkpoint())
+    assert len(made) == 2 and os.listdir(tmp_path) == ["run.ckpt"]
 
 
 def test_a_file_without_the_metadata_crc_of_earlier_versions_still_loads(tmp_path):
@@ -387,3 +427,241 @@ def test_a_file_without_the_metadata_crc_of_earlier_versions_still_loads(tmp_pat
     old = ckpt.load(path)
     assert old.clock == back.clock == state.clock
     np.testing.assert_array_equal(old.weights, back.weights)
+
+
+def write_raw(path, weights=None, meta_bytes=None, **fields):
+    """A checkpoint file of the small layout with CRC-valid contents whatever ``fields`` say
+    (``meta_bytes``: the metadata as given, not a map of ``fields``)."""
+    layout = small_layout()
+    w = np.ones(layout.size, np.float32) if weights is None else weights
+    v = np.zeros(layout.size, np.float32)
+    meta = {
+        "format": 1,
+        "clock": 7,
+        "layout": layout.to_wire(),
+        "shard": [0, 1],
+        "samples": 0,
+        "crc32": [zlib.crc32(w.data), zlib.crc32(v.data)],
+        "saved_at": 0.0,
+        "state": {"staleness": {}, "lr_policy": {}},
+        "info": {},
+        "seg": [["<f4", [layout.size]]] * 2,
+        **fields,
+    }
+    meta["meta_crc32"] = zlib.crc32(msgpack.packb(meta, use_bin_type=True))
+    packed = msgpack.packb(meta, use_bin_type=True) if meta_bytes is None else meta_bytes
+    body = 0 if meta_bytes is not None else 2 * w.nbytes
+    with open(path, "wb") as f:
+        f.write(Header(MsgType.CHECKPOINT, 0, len(packed), body).pack() + packed)
+        if meta_bytes is None:
+            f.write(w.tobytes() + v.tobytes())
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"state": [1, 2]}, "'state': must be a map"),
+        ({"clock": 2**63}, r"'clock' must be an integer in \[0, 2\^63-1\]"),
+        ({"clock": 2**64 - 1}, "'clock' must be an integer"),
+        ({"samples": 2**64 - 1}, "'samples' must be an integer"),
+        ({"clock": 1.5}, "'clock' must be an integer"),
+        ({"state": {"staleness": [1]}}, "histogram must be a map"),
+        ({"state": {"staleness": {"1": float("inf")}}}, "count inf of staleness 1"),
+        ({"state": {"staleness": {"1": 2**64 - 1}}}, "count 18446744073709551615"),
+        ({"state": {"staleness": {"1": -3}}}, "count -3"),
+        ({"state": {"staleness": {"1": "x"}}}, "count 'x'"),
+        ({"state": {"staleness": {"1": True}}}, "count True"),
+        ({"state": {"staleness": {"-5": 3}}}, "key '-5'"),
+        ({"state": {"staleness": {"01": 3}}}, "key '01'"),
+        ({"state": {"staleness": {"x": 3}}}, "key 'x'"),
+        ({"state": {"staleness": {str(2**63): 3}}}, "key '9223372036854775808'"),
+        ({"state": {"lr_policy": 5}}, "LR policy's state must be a map"),
+        ({"state": {"lr_policy": {"recent": [float("inf")]}}}, "'recent' must be a list of ints"),
+        ({"state": {"lr_policy": {"recent": [-1]}}}, "'recent' must be a list of ints"),
+        ({"state": {"lr_policy": {"recent": 3}}}, "'recent' must be a list of ints"),
+        ({"state": {"lr_policy": {"sum": float("inf"), "count": 1}}}, "'sum' must be an int"),
+        ({"state": {"lr_policy": {"sum": 1, "count": float("nan")}}}, "'count' must be an int"),
+        ({"state": {"lr_policy": {"sum": -1, "count": 1}}}, "'sum' must be an int"),
+        ({"state": {"lr_policy": {"window": 2, "sum": 3, "count": 3, "recent": [1]}}}, "inconsistent"),
+        ({"state": {"lr_policy": {"window": 2, "sum": 1, "count": 3, "recent": [1, 2]}}}, "inconsistent"),
+        ({"state": {"lr_policy": {"window": 0, "count": 3}}}, "no 'sum' or 'count'"),
+        ({"state": {"groups": 5}}, "groups: must be a non-empty list"),
+        ({"state": {"groups": [[2, float("nan"), 0.0]]}}, "lr must be a finite number"),
+        ({"state": {"groups": [[1, 0.1, 0.0]]}}, "cover 1 tensors; the layout has 2"),
+    ],
+)
+def test_crc_valid_files_with_values_a_server_cannot_resume_from_are_refused(tmp_path, fields, message):
+    path = tmp_path / "hostile.ckpt"
+    write_raw(path, **fields)
+    with pytest.raises(CheckpointError, match=message):
+        ckpt.load(path)
+
+
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_a_file_of_weights_that_are_not_finite_is_refused(tmp_path, value):
+    weights = np.ones(small_layout().size, np.float32)
+    weights[3] = value
+    write_raw(tmp_path / "nan.ckpt", weights=weights)
+    with pytest.raises(CheckpointError, match="not finite"):
+        ckpt.load(tmp_path / "nan.ckpt")
+
+
+def test_a_refused_file_leaves_the_server_as_it_was(tmp_path):
+    """ServerCore.restore of what load returns cannot fail half-way: a bad file never gets
+    that far, so restoring a good one afterwards works."""
+    from rudra_async.server.core import ServerCore
+
+    write_raw(tmp_path / "bad.ckpt", state={"staleness": {"1": "x"}})
+    write_raw(tmp_path / "good.ckpt", state={"staleness": {"0": 2, "3": 1}, "lr_policy": {}})
+    core = ServerCore(ServerConfig(kernel="numpy", lr_policy="mean-staleness"))
+    with pytest.raises(CheckpointError):
+        core.restore(ckpt.load(tmp_path / "bad.ckpt"))
+    assert core.store is None
+    core.restore(ckpt.load(tmp_path / "good.ckpt"))
+    assert core.clock == 7 and core.staleness.to_dict() == {"0": 2, "3": 1}
+    core.close()
+
+
+def test_a_checkpoint_that_a_load_would_refuse_is_not_written(tmp_path):
+    state = sample_checkpoint()
+    state.state = {"staleness": {"1": -1}}
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*staleness histogram count -1"):
+        ckpt.save(tmp_path / "run.ckpt", state)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [  # {"x": [{}, {}, ...]}: a byte per map; nested, so that no one list is long; a long string
+        (b"\x81\xa1x\xdd" + (4 << 20).to_bytes(4, "big") + b"\x80" * (4 << 20), "lists and maps"),
+        (b"\x81\xa1x\xdc\x10\x00" + (b"\xdc\x10\x00" + b"\x90" * 4096) * 512, "lists and maps"),
+        (b"\x81\xa1x\xdb" + (2 << 20).to_bytes(4, "big") + b"a" * (2 << 20), "max_str_len"),
+        (b"\x81\xa1x\xc6" + (2 << 20).to_bytes(4, "big") + b"a" * (2 << 20), "max_bin_len"),
+        (b"\x81\xa1x\xd4\x01\x00", "max_ext_len"),
+    ],
+)
+def test_metadata_that_would_decode_into_a_huge_object_graph_is_refused_early(tmp_path, meta, message):
+    """A file of a few MiB whose metadata decodes into millions of objects: refused before
+    they are all made (they would take ~100 times the file's size)."""
+    path = tmp_path / "bomb.ckpt"
+    write_raw(path, meta_bytes=meta)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 150 << 20
+
+
+def test_a_real_checkpoint_of_a_long_window_and_a_large_layout_loads(tmp_path):
+    """The bounds leave room for what a server writes: 10^6 staleness values, 10^5 tensors."""
+    from rudra_async.layout import Layout
+
+    layout = Layout.from_shapes([(f"t{i}", (1, 1)) for i in range(100_000)])
+    recent = list(range(1_000_000))
+    state = {
+        "staleness": {str(s): 1 for s in range(10_000)},
+        "lr_policy": {"window": len(recent), "sum": sum(recent), "count": len(recent), "recent": recent},
+        "groups": [[1, 0.1, 0.0]] * len(layout.tensors),
+    }
+    zeros = np.zeros(layout.size, np.float32)
+    ckpt.save(tmp_path / "big.ckpt", ckpt.Checkpoint(layout, 3, zeros, zeros, state=state))
+    assert ckpt.load(tmp_path / "big.ckpt").state == state
+
+
+def test_running_out_of_memory_for_the_arrays_is_a_checkpoint_error(tmp_path, monkeypatch):
+    ckpt.save(tmp_path / "run.ckpt", sample_checkpoint())
+    real = np.empty
+
+    def empty(shape, *args, **kwargs):
+        if shape == small_layout().size:
+            raise MemoryError("Unable to allocate 48 B for an array")  # as numpy's _ArrayMemoryError
+        return real(shape, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(np, "empty", empty)
+        with pytest.raises(CheckpointError, match="not enough memory"):
+            ckpt.load(tmp_path / "run.ckpt")
+
+
+def mean_staleness_checkpoint(path, window, sigmas):
+    """A checkpoint of a server whose mean-staleness policy (``window``) observed ``sigmas``."""
+    policy = MeanStaleness(window)
+    for s in sigmas:
+        policy.observe(s)
+    state = sample_checkpoint()
+    state.state = {"lr_policy": policy.state()}
+    ckpt.save(path, state)
+    return policy
+
+
+@pytest.mark.parametrize(
+    "written, resumed, mean",
+    [
+        (0, 0, 17 / 6),  # the same window: the same mean
+        (3, 3, (7 + 1 + 3) / 3),
+        (3, 0, 17 / 6),  # the whole run from a windowed run: its sum and count are the run's
+        (3, 2, (1 + 3) / 2),  # a smaller window: its last values
+        (5, 6, 17 / 6),  # a larger window the run has not filled yet
+    ],
+)
+def test_mean_staleness_resumes_with_another_window_where_the_file_has_what_it_needs(tmp_path, written, resumed, mean):
+    path = tmp_path / "run.ckpt"
+    mean_staleness_checkpoint(path, written, [4, 0, 2, 7, 1])
+    policy = MeanStaleness(resumed)
+    policy.load_state(ckpt.load(path).state["lr_policy"])
+    policy.observe(3)
+    assert policy.mean == pytest.approx(mean)
+
+
+@pytest.mark.parametrize(
+    "written, resumed, message",
+    [
+        (0, 3, "keeps the last 0 of the run's 5 staleness values .* resume with --mean-staleness-window 0$"),
+        (
+            2,
+            3,
+            "keeps the last 2 of the run's 5 .* needs the last 3: resume with --mean-staleness-window 0 or at most 2",
+        ),
+    ],
+)
+def test_mean_staleness_refuses_a_window_the_file_cannot_fill(tmp_path, written, resumed, message):
+    path = tmp_path / "run.ckpt"
+    mean_staleness_checkpoint(path, written, [4, 0, 2, 7, 1])
+    with pytest.raises(ValueError, match=message):
+        MeanStaleness(resumed).load_state(ckpt.load(path).state["lr_policy"])
+
+
+@pytest.mark.parametrize(
+    "old, resumed, mean",
+    [
+        ({"sum": 14, "count": 5, "recent": []}, 0, 17 / 6),  # written without a window
+        ({"sum": 8, "count": 3, "recent": [0, 7, 1]}, 3, (7 + 1 + 3) / 3),  # with a window of 3
+        ({"sum": 8, "count": 3, "recent": [0, 7, 1]}, 5, (0 + 7 + 1 + 3) / 4),  # a larger one: all it has
+        ({"sum": 0, "count": 0, "recent": []}, 4, 3.0),
+        ({}, 0, 3.0),
+    ],
+)
+def test_mean_staleness_states_of_earlier_versions_still_load(old, resumed, mean):
+    policy = MeanStaleness(resumed)
+    policy.load_state(old)
+    policy.observe(3)
+    assert policy.mean == pytest.approx(mean)
+
+
+def test_mean_staleness_refuses_the_whole_run_from_a_windowed_state_of_an_earlier_version():
+    with pytest.raises(ValueError, match="keeps only the window's staleness values"):
+        MeanStaleness(0).load_state({"sum": 8, "count": 3, "recent": [0, 7, 1]})
+
+
+def test_a_server_resumed_with_a_window_the_checkpoint_cannot_fill_refuses_to_start(tmp_path):
+    path = tmp_path / "run.ckpt"
+    mean_staleness_checkpoint(path, 0, [4, 0, 2, 7, 1])
+    config = dict(listen=["tcp://127.0.0.1:0"], resume=str(path), lr_policy="mean-staleness", kernel="numpy")
+    with pytest.raises(CheckpointError, match="resume with --mean-staleness-window 0"):
+        ParameterServer(ServerConfig(**config, mean_staleness_window=3))
+    ps = ParameterServer(ServerConfig(**config))
+    assert ps.core.lr_policy.mean == pytest.approx(14 / 5)
+    ps.core.close()

@@ -561,20 +561,21 @@ class ServerCore:
                 self.config.lr,
                 self.config.weight_decay,
             )
+        momentum_bound = max_abs(ckpt.momentum)
+        if not math.isfinite(max_abs(ckpt.weights)) or not math.isfinite(momentum_bound):
+            raise CheckpointError(f"{source} holds weights or momentum that are not finite")
+        try:  # each raises before it changes anything; both before the store exists
+            self.lr_policy.load_state(ckpt.state.get("lr_policy", {}))
+            self.staleness.load(ckpt.state.get("staleness", {}))
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{source} has a bad 'state' entry: {exc}") from None
         store = self._create_store(ckpt.layout, ckpt.weights, groups)
         store.clock = ckpt.clock
         self.protocol.start_at(ckpt.clock)
         store.updater.load_momentum(ckpt.momentum)
-        self._momentum_bound = max_abs(ckpt.momentum)
-        if not math.isfinite(self._weights_bound) or not math.isfinite(self._momentum_bound):
-            raise CheckpointError(f"{source} holds weights or momentum that are not finite")
+        self._momentum_bound = momentum_bound
         self.resumed_from = ckpt.clock
         self.samples = ckpt.samples
-        try:
-            self.staleness.load(ckpt.state.get("staleness", {}))
-            self.lr_policy.load_state(ckpt.state.get("lr_policy", {}))
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointError(f"{source} has a bad 'state' entry: {exc}") from None
         log.info("resumed from %s: update %d, %d parameters", source, ckpt.clock, ckpt.layout.size)
 
     def close(self) -> None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import quoted
+from ..schema import INT64_MAX
 from ..transports.base import Connection
+
+_SIGMA_KEY = re.compile(r"0|[1-9][0-9]{0,18}")  # as :meth:`StalenessHistogram.to_dict` writes σ
 
 
 class StalenessHistogram:
@@ -43,12 +48,31 @@ class StalenessHistogram:
     def to_dict(self) -> dict[str, int]:
         return {str(s): self.counts[s] for s in sorted(self.counts)}
 
-    def load(self, counts: dict[str, int]) -> None:
-        """Continue from :meth:`to_dict` of a checkpointed run."""
-        self.counts = Counter({int(s): int(c) for s, c in counts.items()})
+    def load(self, counts: Any) -> None:
+        """Continue from :meth:`to_dict` of a checkpointed run; raises ValueError (and
+        changes nothing) if ``counts`` is not one (see :func:`parse_histogram`)."""
+        self.counts = parse_histogram(counts)
 
     def summary(self) -> dict[str, Any]:
         return {"staleness_mean": self.mean, "staleness_max": self.max, "staleness_histogram": self.to_dict()}
+
+
+def parse_histogram(raw: Any) -> Counter[int]:
+    """The counts of a :meth:`StalenessHistogram.to_dict` map: ``{"σ": count}``, each σ a
+    decimal string (no sign, no leading zero) and each count an int, both in [0, 2^63−1].
+    Raises ValueError naming the first entry that is not."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"the staleness histogram must be a map, got {type(raw).__name__}")
+    counts: Counter[int] = Counter()
+    for key, count in raw.items():
+        if not (isinstance(key, str) and _SIGMA_KEY.fullmatch(key) and int(key) <= INT64_MAX):
+            raise ValueError(f"staleness histogram key {quoted(key)} is not a staleness in [0, 2^63-1]")
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= INT64_MAX:
+            raise ValueError(
+                f"staleness histogram count {quoted(count)} of staleness {key} is not an int in [0, 2^63-1]"
+            )
+        counts[int(key)] = count
+    return counts
 
 
 class Traffic:
