@@ -18,16 +18,21 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from .errors import RequestError, quoted
 from .security import NONCE_BYTES
-from .wire import MAX_DIMS, MsgType, is_int
+from .wire import MAX_DIMS, MAX_SEGMENTS, MsgType, is_int
 
 __all__ = ["FIELDS", "Field", "check", "markdown_table"]
 
 INT64_MAX = 2**63 - 1
 MAX_NAME = 256  # characters of a learner's name
 MAX_SAMPLES = 2**32  # examples behind one gradient
-MAX_TENSORS = 1 << 20  # tensors in a layout
+MAX_TENSORS = MAX_SEGMENTS  # tensors in a layout: a push may send one segment per tensor
+#: bytes of a request's ``seq`` at most, msgpack-encoded as its reply echoes it (a float
+#: there is a float 64): every reply then fits the metadata limit
+MAX_SEQ_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class Field:
     default: Any = None
     low: int | None = None
     high: int | None = None
-    size: tuple[int, int] | None = None  # (min, max) length of a str or bytes
+    size: tuple[int, int] | None = None  # (min, max) length of a str or bytes; encoded bytes of an any
 
     def describe_type(self) -> str:
         kind = {
@@ -56,7 +61,10 @@ class Field:
             kind += " in " + _range(self.low, self.high)
         if self.size is not None:
             lo, hi = self.size
-            kind += f", {lo} bytes" if lo == hi else f", at most {hi} characters"
+            if self.kind == "any":
+                kind += f", at most {hi:,} bytes encoded"
+            else:
+                kind += f", {lo} bytes" if lo == hi else f", at most {hi} characters"
         return kind
 
     def describe_presence(self) -> str:
@@ -93,7 +101,7 @@ def _literal(value: Any) -> str:
     return str(value)
 
 
-SEQ = Field("seq", "any", "echoed unchanged in the reply (see [Sequence numbers](#frame))")
+SEQ = Field("seq", "any", "echoed unchanged in the reply (see [Sequence numbers](#frame))", size=(0, MAX_SEQ_BYTES))
 
 #: the fields of every request a server reads, by message type, in checking order
 FIELDS: dict[MsgType, tuple[Field, ...]] = {
@@ -116,7 +124,8 @@ FIELDS: dict[MsgType, tuple[Field, ...]] = {
         Field(
             "layout",
             "layout",
-            f"the whole model's tensors, in order: `[name, shape]` each; non-empty, at most {MAX_DIMS} dimensions each",
+            f"the whole model's tensors, in order: `[name, shape]` each; non-empty, at most {MAX_TENSORS:,} tensors "
+            f"of at most {MAX_DIMS} dimensions each",
             required=True,
         ),
         Field(
@@ -197,9 +206,30 @@ def _bad(field: Field, value: Any) -> RequestError:
     )
 
 
+def encoded_size(value: Any) -> int:
+    """Bytes of ``value`` msgpack-encoded as a reply encodes it (a float as a float 64)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return 9  # at most
+    return len(msgpack.packb(value, use_bin_type=True))
+
+
+def seq_fits(meta: dict[str, Any]) -> bool:
+    """Whether a request's ``seq`` (if any) may be echoed: at most :data:`MAX_SEQ_BYTES` encoded."""
+    return "seq" not in meta or encoded_size(meta["seq"]) <= MAX_SEQ_BYTES
+
+
+def check_seq(meta: dict[str, Any]) -> None:
+    """``bad_request`` naming ``seq`` unless :func:`seq_fits` (for any request, before anything
+    else of it is read: its reply could not carry the ``seq``)."""
+    if not seq_fits(meta):
+        raise _bad(SEQ, meta["seq"])
+
+
 def _check_value(field: Field, value: Any) -> Any:
     kind = field.kind
     if kind == "any":
+        if field.size is not None and encoded_size(value) > field.size[1]:
+            raise _bad(field, value)
         return value
     if kind == "bool":
         if not isinstance(value, bool):

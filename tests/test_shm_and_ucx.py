@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -335,6 +336,11 @@ class DocsOnlyShmLearner:
         self.word = np.ndarray((1,), "<i8", self.seg.buf, offset=nbytes)  # of a push written after its reference
         self.control = np.ndarray((2,), "<i8", self.seg.buf, offset=nbytes + 8)  # [released ticket, sender waits]
         self.tickets = 0
+
+    def hello_with_zeros(self) -> None:
+        """Say hello with zero initial weights of this learner's size, and read the WELCOME."""
+        self.send(1, {"layout": [["w", [self.size]]], "~shm": self.by_reference(np.zeros(self.size, np.float32))})
+        assert self.recv()[0] == MsgType.WELCOME
 
     def send(self, msg_type: int, meta: dict) -> None:
         packed = msgpack.packb(meta)
@@ -772,8 +778,9 @@ async def test_a_learner_that_stops_writing_its_push_is_evicted_from_a_hardsync_
 async def test_a_refused_reference_gives_its_segment_back_and_a_ticket_beyond_int64_is_refused():
     """A PUSH whose reference is refused (its segment list does not describe the body) is
     answered malformed, not fatal, and its ticket is stored as released, so the sender may
-    write the segment again; a ticket that does not fit the control block's int64 word is
-    refused the same way; then a good push is applied."""
+    write the segment again; a ticket that does not fit the control block's int64 word, and a
+    body reaching into the segment's last 16 bytes (its control block, which the receiver
+    writes), are refused the same way; then a good push is applied."""
     size = 50_000
     async with run_server(listen=["shm://"], lr=0.5, momentum=0.0, kernel="numpy") as ps:
         server_name = ps.addresses[0].removeprefix("shm://")
@@ -781,8 +788,7 @@ async def test_a_refused_reference_gives_its_segment_back_and_a_ticket_beyond_in
         def learn() -> list[tuple[int, dict]]:
             me = DocsOnlyShmLearner(server_name, size)
             try:
-                me.send(1, {"layout": [["w", [size]]], "~shm": me.by_reference(np.zeros(size, np.float32))})
-                assert me.recv()[0] == MsgType.WELCOME
+                me.hello_with_zeros()
                 replies = []
                 bad = me.by_reference(np.ones(size, np.float32))
                 bad[2] = [["<f4", [size - 1]]]  # does not describe nbytes
@@ -800,17 +806,23 @@ async def test_a_refused_reference_gives_its_segment_back_and_a_ticket_beyond_in
                     me.send(MsgType.PUSH, {"timestamp": 0, "seq": seq, "~shm": bad})
                     replies.append(me.recv())
                     wait_until(lambda: me.control[0] == me.tickets, 5)
+                me.tickets += 1  # a body that ends 8 bytes into the control block
+                ref = [me.seg.name, 4 * size, [["<f4", [size]]], 16, me.tickets]
+                me.send(MsgType.PUSH, {"timestamp": 0, "seq": 5, "~shm": ref})
+                replies.append(next(reply for reply in iter(me.recv, None) if reply[0] != 250))
+                wait_until(lambda: me.control[0] == me.tickets, 5)
                 me.push(np.ones(size, np.float32), timestamp=0)
                 replies.append(me.recv())
                 return replies
             finally:
                 me.close()
 
-        *refused, (k5, ok) = await asyncio.to_thread(learn)
+        *refused, (k6, ok) = await asyncio.to_thread(learn)
         for seq, (kind, error) in enumerate(refused, 1):
             assert kind == MsgType.ERROR and error["code"] == "malformed" and error["fatal"] is False
             assert error["seq"] == seq
-        assert k5 == MsgType.WEIGHTS and ok["timestamp"] == 1 and ps.clock == 1
+        assert len(refused) == 5 and "overlaps the control block" in refused[4][1]["message"]
+        assert k6 == MsgType.WEIGHTS and ok["timestamp"] == 1 and ps.clock == 1
 
 
 async def test_only_the_hello_a_welcome_answers_can_ask_for_progress_words(monkeypatch):
@@ -934,8 +946,7 @@ async def test_a_refused_reference_quotes_at_most_80_characters_of_its_segment_n
         def learn() -> tuple[int, dict]:
             me = DocsOnlyShmLearner(server_name, size)
             try:
-                me.send(1, {"layout": [["w", [size]]], "~shm": me.by_reference(np.zeros(size, np.float32))})
-                assert me.recv()[0] == MsgType.WELCOME
+                me.hello_with_zeros()
                 me.send(MsgType.PUSH, {"timestamp": 0, "~shm": ["n" * 300, 4 * size, [["<f4", [size]]], 0, 7]})
                 return next(reply for reply in iter(me.recv, None) if reply[0] != 250)  # not a RELEASE notice
             finally:
@@ -996,3 +1007,33 @@ def test_a_bad_ucx_progress_mode_is_a_config_error():
         "ConfigError: RUDRA_ASYNC_UCX_PROGRESS must be one of blocking, polling, thread, thread-polling, got 'bogus'"
         in proc.stderr
     )
+
+
+async def test_a_release_notice_with_fields_of_the_wrong_type_is_ignored(caplog):
+    """RELEASE notices whose offset is a list (unhashable), whose name is a map or whose
+    ticket is a string free nothing and raise nothing (they used to end the connection
+    with a traceback): the weights lent stay lent until the real notice, and the learner
+    is served on."""
+    size = 50_000
+    async with run_server(listen=["shm://"], kernel="numpy") as ps:
+        server_name = ps.addresses[0].removeprefix("shm://")
+
+        def learn() -> tuple[int, dict]:
+            me = DocsOnlyShmLearner(server_name, size)
+            try:
+                me.hello_with_zeros()
+                me.send(MsgType.PULL, {"seq": 1})
+                kind, meta = me.recv()
+                assert kind == MsgType.WEIGHTS and "~shm" in meta  # lent, until the notice
+                name, offset = meta["~shm"][0], meta["~shm"][3]
+                for bad in ({"name": name, "offset": [offset]}, {"name": {"a": 1}}, {"name": name, "ticket": "t"}):
+                    me.send(250, bad)
+                me.read_weights(meta)  # then the real notice
+                me.send(MsgType.PULL, {"seq": 2})
+                return me.recv()
+            finally:
+                me.close()
+
+        kind, meta = await asyncio.to_thread(learn)
+    assert kind == MsgType.WEIGHTS and meta["seq"] == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -1,5 +1,8 @@
 """The wire format: round trips through the incremental reader, and every header violation."""
 
+import gc
+
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,11 +14,14 @@ from rudra_async.wire import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    MAX_SEGMENTS,
     FrameReader,
     Limits,
     MsgType,
+    decode_meta,
     encode_frame,
     encode_messages,
+    parse_segments,
     unpack_header,
 )
 
@@ -241,3 +247,33 @@ def test_frames_before_a_fatal_error_in_the_same_read_are_delivered_first():
     with pytest.raises(errors.BadMagic) as info:
         reader.advance(len(data))
     assert [f.meta["newer_than"] for f in info.value.finished] == [7]
+
+
+def test_a_segment_list_longer_than_the_limit_is_refused_before_any_entry_is_read():
+    """At most MAX_SEGMENTS segments a frame: a longer list is malformed at once, whatever
+    its entries (here the first one would be refused too), so its cost does not grow with it."""
+    assert len(parse_segments({"seg": [["<f4", [0]]] * MAX_SEGMENTS}, 0)) == MAX_SEGMENTS
+    too_many = {"seg": [["O", [1]]] + [["<f4", [0]]] * MAX_SEGMENTS}
+    with pytest.raises(errors.MalformedFrame, match=f"{MAX_SEGMENTS + 1} segments; a frame may have at most"):
+        parse_segments(too_many, 0)
+
+
+def test_large_metadata_is_decoded_with_the_garbage_collector_paused(monkeypatch):
+    """1 MiB of small msgpack lists makes ~300,000 objects: decoded with the collector on,
+    they set off collections of the whole heap as they are made (a stall of every learner
+    ~7 times as long as the decode). Large metadata is decoded with it paused, and it is
+    on again after, also when the metadata is refused; small metadata leaves it alone."""
+    seen = []
+    unpackb = msgpack.unpackb
+
+    def watching(data, **kwargs):
+        seen.append(gc.isenabled())
+        return unpackb(data, **kwargs)
+
+    monkeypatch.setattr(msgpack, "unpackb", watching)
+    large = msgpack.packb({"seg": [["<f4", [0]]] * 40_000})
+    assert len(decode_meta(large)["seg"]) == 40_000
+    with pytest.raises(errors.MalformedFrame):
+        decode_meta(large[:-1])  # cut short: not msgpack
+    assert decode_meta(msgpack.packb({"seq": 1})) == {"seq": 1}
+    assert seen == [False, False, True] and gc.isenabled()

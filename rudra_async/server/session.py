@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 
 from .. import schema, security
@@ -51,6 +52,9 @@ AUTH_REQUIRED = "this server requires authentication (a shared secret) before an
 
 #: characters of an ERROR reply's message at most (docs/wire.md)
 MESSAGE_MAX = 1000
+#: bytes of a WELCOME besides the layout and groups it echoes: its other fields (a few
+#: hundred bytes, a plugin protocol's description included) and the request's ``seq``
+WELCOME_RESERVE = schema.MAX_SEQ_BYTES + 4096
 
 
 class State(enum.Enum):
@@ -126,7 +130,7 @@ class Session:
                 except WireError as exc:  # fatal: the byte stream lost sync
                     code = self._fatal_code(exc)
                     message = AUTH_REQUIRED if code == "auth_required" else str(exc)
-                    await self._refuse(code, message, fatal=True, seq=None)
+                    await self._refuse(code, message, fatal=True, request={})
                     return
                 finally:
                     self.conn.express = None
@@ -139,7 +143,7 @@ class Session:
                     await self._dispatch(frame)
                 except RequestError as exc:  # during the handshake every refusal is fatal
                     fatal = exc.code in FATAL or self.state in (State.AUTHENTICATING, State.CHALLENGED)
-                    await self._refuse(exc.code, str(exc), fatal=fatal, seq=frame.meta.get("seq"))
+                    await self._refuse(exc.code, str(exc), fatal=fatal, request=frame.meta)
                 finally:
                     frame.release()  # a no-op for a frame the core took
                     if learner is not None:
@@ -163,6 +167,7 @@ class Session:
             frame.msg_type == MsgType.PUSH
             and frame.meta.get("pull") is True
             and frame.error is None
+            and schema.seq_fits(frame.meta)
             and frame.written is None
             and learner is not None
             and core.protocol.answers_at_once
@@ -186,8 +191,12 @@ class Session:
                 )
             clock = store.clock
             reply = _answering(self._weights_meta(clock), frame.meta)
-            self.conn.send_nowait(MsgType.WEIGHTS, reply, [store.weights.copy()])
-            core.pulled(learner, clock)
+            try:
+                self.conn.send_nowait(MsgType.WEIGHTS, reply, [store.weights.copy()])
+            except FrameTooLarge as exc:  # nothing of it went out: say so instead
+                self.conn.send_nowait(MsgType.ERROR, self._unencodable(MsgType.WEIGHTS, exc))
+            else:
+                core.pulled(learner, clock)
         except Exception:  # from a transport callback: end this session as a failed handler would
             log.exception("answering a push+pull of learner %d failed; closing %s", learner.learner_id, self.conn.peer)
             self.conn.close()
@@ -234,6 +243,7 @@ class Session:
             if self.state in (State.AUTHENTICATING, State.CHALLENGED):
                 raise RequestError("authenticate first", code="auth_required")
             raise RequestError(str(frame.error), code=frame.error.code)
+        schema.check_seq(frame.meta)  # any request: its reply must be able to echo it
         handler = HANDLERS[self.state].get(frame.msg_type)
         if handler is not None:
             await handler(self, frame)
@@ -271,10 +281,28 @@ class Session:
         await self._reply(MsgType.AUTHENTICATED, {}, frame.meta)
 
     async def _hello(self, frame: Frame) -> None:
-        self.learner = self.core.register(frame.meta, frame.arrays, self.conn.peer)
+        first = self.core.store is None  # the initial weights come with this HELLO
+        if first:
+            self._check_welcome_fits(frame.meta)
+        self.learner = self.core.register(frame.meta, frame.arrays if first else [], self.conn.peer)
         self.state = State.READY
         self.server.registered(self)
         await self._reply(MsgType.WELCOME, self.core.welcome(self.learner), frame.meta)
+
+    def _check_welcome_fits(self, meta: dict[str, Any]) -> None:
+        """Refuse (``bad_layout``) a first HELLO whose layout and groups, which every WELCOME
+        echoes, leave less than :data:`WELCOME_RESERVE` of the metadata limit: the server
+        would take its weights and then never welcome a learner. Nothing is initialised
+        before; a field of the wrong type is ``bad_request`` first, as in ``core.register``."""
+        fields = schema.check(MsgType.HELLO, meta)
+        groups = [[g[0], float(g[1]), float(g[2])] for g in fields.get("groups") or ()]  # as ParamGroup has them
+        size = len(msgpack.packb([fields["layout"], groups], use_bin_type=True))
+        room = self.server.limits.max_meta - WELCOME_RESERVE
+        if size > room:
+            raise RequestError(
+                f"the layout and groups take {size} bytes in a WELCOME, whose metadata has room for {room}",
+                code="bad_layout",
+            )
 
     def _push_written(self, learner: LearnerInfo) -> None:
         """The gradient of the push in hand is all written: its deadline ends, and the core
@@ -345,8 +373,9 @@ class Session:
         with store.lease_computing() as (clock, weights, progress):
             # after the wait the update is computed (if not yet reaped, its progress is complete)
             gate = progress if computing else None
-            await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
-        core.pulled(learner, clock)
+            sent = await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
+        if sent:
+            core.pulled(learner, clock)
 
     def _weights_meta(self, clock: int) -> dict[str, Any]:
         """The metadata of a WEIGHTS reply carrying the weights of ``clock``."""
@@ -359,23 +388,42 @@ class Session:
         request: dict[str, Any],
         arrays: Sequence[np.ndarray] = (),
         gate: Gate | None = None,
-    ) -> None:
-        await self._send(msg_type, _answering(meta, request), arrays, gate)
+    ) -> bool:
+        """Send the reply to ``request`` (see :meth:`_send`)."""
+        return await self._send(msg_type, _answering(meta, request), arrays, gate)
 
     async def _send(
         self, msg_type: MsgType, meta: dict[str, Any], arrays: Sequence[np.ndarray] = (), gate: Gate | None = None
-    ) -> None:
+    ) -> bool:
         """Send with a deadline: a peer that does not read its reply is closed after the idle
-        timeout. With a ``gate``, the body is still being computed (``Connection.send_computing``)."""
+        timeout. With a ``gate``, the body is still being computed (``Connection.send_computing``).
+        True once sent; False for a frame that cannot be encoded (FrameTooLarge: nothing of it
+        went out), answered instead with an ERROR ``reply_too_large`` without ``seq``, so
+        the request still gets its one reply."""
         if self.state is State.READY:
             self._deadline_in(self.server.config.idle_timeout, "reply_not_read")
         try:
-            if gate is None:
-                await self.conn.send(msg_type, meta, arrays)
-            else:
-                await self.conn.send_computing(msg_type, meta, arrays, gate)
+            try:
+                if gate is None:
+                    await self.conn.send(msg_type, meta, arrays)
+                else:
+                    await self.conn.send_computing(msg_type, meta, arrays, gate)
+            except FrameTooLarge as exc:
+                await self.conn.send(MsgType.ERROR, self._unencodable(msg_type, exc))
+                return False
+            return True
         finally:
             self._deadline_in(0, "reply_not_read")
+
+    def _unencodable(self, msg_type: MsgType, exc: FrameTooLarge) -> dict[str, Any]:
+        """Count and log a reply that could not be encoded; the ERROR (without ``seq``) to send
+        instead. (A request within docs/wire.md's limits never gets one: a safeguard.)"""
+        message = f"the {msg_type.name} reply could not be sent: {exc}"
+        self.server.refused("reply_too_large", f"to {self.conn.peer} ({self._who()}): {message}")
+        return {"code": "reply_too_large", "message": message, "fatal": False}
+
+    def _who(self) -> str:
+        return f"learner {self.learner.learner_id}" if self.learner else "unregistered peer"
 
     def _deadline_in(self, seconds: float, code: str) -> None:
         """Close the connection (counted as ``code``) unless the deadline is cleared within
@@ -385,15 +433,16 @@ class Session:
         elif self.deadline_code == code:
             self.deadline = None
 
-    async def _refuse(self, code: str, message: str, *, fatal: bool, seq: Any) -> None:
-        """Count, log and answer a refused request; a fatal refusal ends the session."""
-        who = f"learner {self.learner.learner_id}" if self.learner else "unregistered peer"
+    async def _refuse(self, code: str, message: str, *, fatal: bool, request: dict[str, Any]) -> None:
+        """Count, log and answer a refused request; a fatal refusal ends the session. The
+        ERROR echoes the ``seq`` of ``request`` (whatever its value, nil included) where it
+        has one that fits (:func:`schema.seq_fits`); ``{}`` for a frame whose metadata is unknown."""
         if len(message) > MESSAGE_MAX:  # it fits in an ERROR frame and a log line, whatever it quotes
             message = message[: MESSAGE_MAX - 3] + "..."
-        self.server.refused(code, f"input from {self.conn.peer} ({who}): {message}")
+        self.server.refused(code, f"input from {self.conn.peer} ({self._who()}): {message}")
         meta: dict[str, Any] = {"code": code, "message": message, "fatal": fatal}
-        if seq is not None:
-            meta["seq"] = seq
+        if schema.seq_fits(request):
+            _answering(meta, request)
         if fatal:
             self.state = State.CLOSED
         try:

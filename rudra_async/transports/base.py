@@ -98,7 +98,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectionClosed, PeerGone, RudraError, WireError
+from ..errors import ConfigError, ConnectionClosed, PeerGone, RudraError, TransportError, WireError
 from ..wire import Admit, Allocator, Frame, FrameReader, Header, Limits
 
 if TYPE_CHECKING:
@@ -470,8 +470,10 @@ class ServingListener(Listener):
                     await self._on_connection(conn)  # returns at once: the connection is closed
                     raise
             await self._on_connection(conn)
-        except (RudraError, asyncio.CancelledError):
+        except asyncio.CancelledError:
             pass
+        except RudraError as exc:  # the handler gave the connection up: say why
+            _log_given_up(conn, exc)
         except Exception:  # a handler bug must not take the listener down
             log.exception("connection handler for %s failed", conn.peer)
         finally:
@@ -491,6 +493,15 @@ class ServingListener(Listener):
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _log_given_up(conn: Connection, exc: RudraError) -> None:
+    """Log the error a connection handler ended with: at debug level when the connection
+    simply ended (TransportError: the peer went away, or this side closed it), else a warning."""
+    if isinstance(exc, TransportError):
+        log.debug("the connection to %s ended: %s", conn.peer, exc)
+    else:
+        log.warning("connection handler for %s gave up: [%s] %s", conn.peer, exc.code, exc)
 
 
 def parse_host_port(url: str, scheme: str) -> tuple[str, int]:

@@ -343,11 +343,18 @@ class _Attached:
             return None
         return np.frombuffer(self.buf, np.int64, 1, at)
 
+    @property
+    def room(self) -> int:
+        """Bytes of the segment a body may occupy: all but its control block, if it has one
+        (a size that is a multiple of 8 and at least :data:`CONTROL`)."""
+        has_control = self.size >= CONTROL and self.size % 8 == 0
+        return self.size - CONTROL if has_control else self.size
+
     def mark_released(self, ticket: int) -> bool:
         """Store ``ticket`` as released in the owner's control block; True if the owner
         waits for a segment (or the block is gone), so a RELEASE notice must follow."""
         if self._control is None:
-            if self._closed or self.size < CONTROL or self.size % 8:
+            if self._closed or self.room == self.size:
                 return True
             self._control = np.frombuffer(self.buf, np.int64, 2, self.size - CONTROL)
         self._control[0] = ticket
@@ -404,6 +411,10 @@ def resolve_reference(
             shm = attached[name] = _Attached(name, owner)
         if shm.size < offset + nbytes:
             raise MalformedFrame(f"segment {name} is smaller than the {offset + nbytes} bytes referenced")
+        if shm.room < offset + nbytes:  # the receiver writes there: never part of a body
+            raise MalformedFrame(
+                f"a body at [{offset}, {offset + nbytes}) overlaps the control block of segment {quoted(name)}"
+            )
     except (MalformedFrame, ValueError, TypeError, OSError) as exc:
         if isinstance(exc, MalformedFrame):
             err = exc
@@ -447,6 +458,16 @@ def _names_body(name: Any, offset: Any, ticket: Any) -> bool:
         and offset >= 0
         and (ticket is None or (is_int(ticket) and 0 < ticket < 1 << 63))
     )
+
+
+def _notice_fields(meta: dict[str, Any]) -> tuple[str, int, int | None] | None:
+    """``(name, offset, ticket)`` of a received RELEASE notice (``offset`` 0 and ``ticket``
+    None where absent); None for a notice whose fields are not well formed, which is then
+    ignored (a notice is never answered)."""
+    name: Any = meta.get("name")
+    offset: Any = meta.get("offset", 0)
+    ticket: Any = meta.get("ticket")
+    return (name, offset, ticket) if _names_body(name, offset, ticket) else None
 
 
 def release_notice(
@@ -569,10 +590,15 @@ class ShmConnection(StreamConnection):
         super()._deliver(item)
 
     def _released(self, frame: Frame) -> None:
-        name = str(frame.meta.get("name"))
-        if self._out.released(name, frame.meta.get("ticket")):
+        """A RELEASE notice: the segment, or the exported memory, it names is free again.
+        A notice with fields of the wrong type is ignored (it frees nothing)."""
+        fields = _notice_fields(frame.meta)
+        if fields is None:
+            return
+        name, offset, ticket = fields
+        if self._out.released(name, ticket):
             self._freed.set()
-        waiter = self._lent.pop((name, frame.meta.get("offset", 0)), None)
+        waiter = self._lent.pop((name, offset), None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
@@ -727,7 +753,11 @@ class ShmConnection(StreamConnection):
         copy; return once the peer released it (a RELEASE notice) or the connection ended."""
         name, offset = where
         waiter = self._lent[where] = asyncio.get_running_loop().create_future()
-        await super().send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
+        try:
+            await super().send(msg_type, {**(meta or {}), _REF: [name, body, specs, offset]})
+        except FrameTooLarge:  # the metadata: nothing went out, nothing is lent
+            self._lent.pop(where, None)
+            raise
         self.bytes_out += body  # the body goes through shared memory
         await waiter
         self._check_open()
@@ -808,7 +838,9 @@ class BlockingShmConnection(BlockingConnection):
         """The next frame, its body resolved in place; None for a RELEASE notice (handled here)."""
         frame = await super().recv()
         if frame.msg_type == RELEASE:
-            self._out.released(str(frame.meta.get("name")), frame.meta.get("ticket"))
+            fields = _notice_fields(frame.meta)
+            if fields is not None:
+                self._out.released(fields[0], fields[2])
             return None
         if frame.msg_type == MsgType.WELCOME and frame.meta.get(_PROGRESS) is True:
             self._write_ahead = ORDERED_STORES
