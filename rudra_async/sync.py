@@ -116,6 +116,12 @@ class SyncProtocol:
         """A learner's next weights must have a clock greater than this (−1: any)."""
         return -1
 
+    def waits_for(self, learner: int) -> bool:
+        """Whether an update waits for a gradient of ``learner`` now (so a hung one would stall
+        the others: ``--learner-timeout`` may evict it). Default: every member, where
+        :attr:`waits_for_members`."""
+        return self.waits_for_members and learner in self.members
+
     def release_held(self) -> list[Gradient]:
         """Give up every gradient held for a later update (the run stopped): they are returned
         and forgotten, and the server answers their pushes ``dropped``."""
@@ -236,6 +242,10 @@ class Hardsync(SyncProtocol):
     def pull_floor(self, learner: int) -> int:
         floors = [self.last_stamp.get(learner, -1), self.joined_at.get(learner, -1)]
         return max(floors)
+
+    def waits_for(self, learner: int) -> bool:
+        """The round in progress waits for its participants that have not pushed yet."""
+        return self.round is not None and learner in self.round and learner not in self.got
 
     def _start_round(self) -> None:
         self.round = set(self.members)

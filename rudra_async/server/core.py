@@ -61,6 +61,9 @@ class LearnerInfo:
     dropped: int = 0
     connected: bool = True
     busy: int = 0  # requests of this learner the server is handling now
+    #: of those, bare PULLs waiting for newer weights: a member that waits for weights
+    #: instead of pushing would stall its round, so they do not keep it from being evicted
+    parked: int = 0
     writing: bool = False  # its push in hand is still being written (shm): not yet in progress
     last_active: float = 0.0  # when a request of it last arrived or was answered
     evicted: bool = False  # out of the protocol (hung: --learner-timeout) until it shows up again
@@ -72,8 +75,9 @@ class LearnerInfo:
     @property
     def in_progress(self) -> bool:
         """Whether the server handles a request of it now, not counting a push whose gradient
-        it still writes (that push's update comes once it is written, as if it had not arrived)."""
-        return self.busy > 0 and not self.writing
+        it still writes (that push's update comes once it is written, as if it had not arrived)
+        nor a PULL parked waiting for newer weights."""
+        return self.busy > self.parked and not self.writing
 
     @property
     def staleness_mean(self) -> float:
@@ -403,11 +407,12 @@ class ServerCore:
         learner.last_active = self._now()
 
     def evict_hung(self, now: float, timeout: float) -> list[LearnerInfo]:
-        """Take out of the protocol every learner that has had its weights (no request of it
-        pending but a push whose gradient it still writes) for more than ``timeout`` seconds
+        """Take out of the protocol every learner an update waits for (``waits_for``) that has
+        had its weights (no request of it in progress but a push whose gradient it still
+        writes, or a PULL parked waiting for newer weights) for more than ``timeout`` seconds
         without pushing, so the others go on; it rejoins with its next request, or once that
-        gradient is written (a late gradient is then dropped). Not for ``async``, which
-        waits for nobody."""
+        gradient is written (a late gradient is then dropped). Not for ``async`` and
+        ``softsync``, which wait for nobody."""
         if not self.protocol.waits_for_members:
             return []
         hung = [
@@ -416,7 +421,7 @@ class ServerCore:
             if info.connected
             and not info.evicted
             and not info.in_progress
-            and info.learner_id in self.protocol.members
+            and self.protocol.waits_for(info.learner_id)
             and now - info.last_active > timeout
         ]
         for info in hung:

@@ -361,13 +361,17 @@ class ParameterServer:
         self._changed = asyncio.Event()
         self._blocked.clear()  # those still blocked re-enter
 
-    async def wait_until(self, ready: Callable[[], bool], conn: Connection, learner: int) -> None:
+    async def wait_until(self, ready: Callable[[], bool], conn: Connection, learner: int, parked: bool = False) -> None:
         """Wait until ``ready()`` (re-checked on every state change), the run stops or closes.
         Raises PeerGone if the connection is lost meanwhile; ``learner`` is in :attr:`blocked`
-        while it waits."""
+        while it waits. ``parked``: the wait of a bare PULL, which does not count as a request
+        in progress (:attr:`LearnerInfo.parked`)."""
         if ready() or self.stopped or self.closing:
             return
         lost = asyncio.ensure_future(conn.wait_lost())
+        info = self.core.learners.get(learner) if parked else None
+        if info is not None:
+            info.parked += 1
         try:
             while not (ready() or self.stopped or self.closing):
                 self._blocked.add(learner)
@@ -379,6 +383,8 @@ class ParameterServer:
         finally:
             self._blocked.discard(learner)
             lost.cancel()
+            if info is not None:
+                info.parked -= 1
 
     # -- connections --------------------------------------------------------------------------
     async def _listen(self, url: str) -> Listener:

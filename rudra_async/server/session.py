@@ -345,7 +345,7 @@ class Session:
             await self._reply(MsgType.ACK, ack, frame.meta)
 
     async def _pull(self, frame: Frame) -> None:
-        await self._send_weights(frame.meta, newer_than=self._fields(frame)["newer_than"])
+        await self._send_weights(frame.meta, newer_than=self._fields(frame)["newer_than"], parked=True)
 
     # -- replies ------------------------------------------------------------------------------
     def _fields(self, frame: Frame) -> dict[str, Any]:
@@ -356,14 +356,19 @@ class Session:
         assert self.learner is not None, "READY implies a registered learner"
         return self.learner
 
-    async def _send_weights(self, request: dict[str, Any], newer_than: int) -> None:
-        """WEIGHTS once the protocol lets this learner have newer weights than ``newer_than``."""
+    async def _send_weights(self, request: dict[str, Any], newer_than: int, parked: bool = False) -> None:
+        """WEIGHTS once the protocol lets this learner have newer weights than ``newer_than``
+        (``parked``: a bare PULL, whose wait does not keep its learner from being evicted)."""
         learner, core = self._learner(), self.core
         await self.server.wait_until(
-            lambda: core.pull_ready(learner.learner_id, newer_than), self.conn, learner.learner_id
+            lambda: core.pull_ready(learner.learner_id, newer_than), self.conn, learner.learner_id, parked=parked
         )
         store = core.store
         assert store is not None, "READY implies weights"
+        # The protocols count the learner as computing on these weights from now on, not once
+        # they have reached it: meanwhile a staleness bound waits for it. (If an update this
+        # lets go moves the clock first, it gets newer weights than counted: the safe side.)
+        core.pulled(learner, core.clock)
         # A reply sent while its update is computed leases the weights at once. While another
         # learner's request is in progress, whose update would then need a spare buffer and a
         # copy of the weights, the reply waits for the update instead.
@@ -373,9 +378,7 @@ class Session:
         with store.lease_computing() as (clock, weights, progress):
             # after the wait the update is computed (if not yet reaped, its progress is complete)
             gate = progress if computing else None
-            sent = await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
-        if sent:
-            core.pulled(learner, clock)
+            await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
 
     def _weights_meta(self, clock: int) -> dict[str, Any]:
         """The metadata of a WEIGHTS reply carrying the weights of ``clock``."""
