@@ -204,12 +204,13 @@ class Hardsync(SyncProtocol):
     """One gradient from every learner of the round, for the current clock; learners wait.
 
     A round's participants are the learners registered when it began, and a learner that
-    joins before any gradient of the round arrived; a learner joining later waits for that
-    round's weights and is counted from the next update. (A newcomer never waits for a round
-    that nobody has started: with sharded servers, a learner waiting on one shard for a round
-    that a peer cannot start — the peer waits on another shard for the newcomer — would
-    deadlock them both.) A late gradient (stamp older than the clock) or a second one in a
-    round is dropped and counted.
+    joins before any gradient of the round arrived; a learner joining later is counted from
+    the next update. A newcomer never waits for weights: its first pull is answered at once
+    (a gradient it computes on them for a round it is not part of is dropped). So no learner
+    waits before it has pushed, and no waits can go round in a circle: with sharded servers,
+    a newcomer that waited on one shard for a round that needs, on that shard, a learner that
+    itself waits on another shard for the newcomer's gradient would deadlock them. A late
+    gradient (stamp older than the clock) or a second one in a round is dropped and counted.
     """
 
     name = "hardsync"
@@ -219,7 +220,6 @@ class Hardsync(SyncProtocol):
         self.round: set[int] | None = None  # participants of the round for self.clock
         self.got: dict[int, Gradient] = {}
         self.last_stamp: dict[int, int] = {}
-        self.joined_at: dict[int, int] = {}
 
     def needed(self) -> int:
         """Gradients that complete the current round."""
@@ -227,21 +227,16 @@ class Hardsync(SyncProtocol):
         return len(self.round)
 
     def join(self, learner: int) -> Decision:
-        if self.round is not None:
-            if self.got:
-                self.joined_at[learner] = self.clock  # wait for the round in progress to finish
-            else:
-                self.round.add(learner)  # no gradient of this round yet: take part in it
+        if self.round is not None and not self.got:
+            self.round.add(learner)  # no gradient of this round yet: take part in it
         return super().join(learner)
 
     def leave(self, learner: int) -> Decision:
         self.last_stamp.pop(learner, None)  # nothing per learner outlives its membership
-        self.joined_at.pop(learner, None)
         return super().leave(learner)
 
     def pull_floor(self, learner: int) -> int:
-        floors = [self.last_stamp.get(learner, -1), self.joined_at.get(learner, -1)]
-        return max(floors)
+        return self.last_stamp.get(learner, -1)
 
     def waits_for(self, learner: int) -> bool:
         """The round in progress waits for its participants that have not pushed yet."""
@@ -275,14 +270,12 @@ class Hardsync(SyncProtocol):
         assert self.round is not None
         if not self.round:  # everyone of the round left without a gradient
             self.round = None
-            self.joined_at.clear()  # newcomers start the next round at once
             return []
         if len(self.got) < self.needed():
             return []
         batch = list(self.got.values())
         self.round = set(self.members)  # the next round: everyone registered now
         self.got = {}
-        self.joined_at.clear()
         return [batch]
 
 

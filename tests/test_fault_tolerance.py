@@ -69,7 +69,10 @@ async def test_sigkill_of_a_learner_mid_run_lets_the_others_finish(protocol, opt
                     await p.wait()
 
 
-async def test_hardsync_newcomer_waits_for_the_round_and_counts_from_the_next():
+async def test_hardsync_newcomer_never_waits_and_counts_from_the_next_round():
+    """A learner that joins during a round gets the current weights at once (it never waits:
+    see sync.Hardsync); the gradient it computes on them is dropped, as the round was not
+    waiting for it; it takes part from the next round on, which waits for all three."""
     layout = Layout.from_shapes([("w", (4,))])
     g = np.ones(4, np.float32)
     async with run_server(protocol="hardsync", lr=0.1, momentum=0.0) as ps:
@@ -80,11 +83,11 @@ async def test_hardsync_newcomer_waits_for_the_round_and_counts_from_the_next():
         a_waiting = asyncio.create_task(a.push_pull(g, wa.timestamp))  # round 0: a pushed, b not yet
         await asyncio.sleep(0.05)
         c = await Client.connect(url, layout)
-        c_pull = asyncio.create_task(c.pull())
-        await asyncio.sleep(0.1)
-        assert not c_pull.done() and not a_waiting.done()  # newcomer waits for round 0's weights
+        wc = await asyncio.wait_for(c.pull(), 5)
+        assert wc.timestamp == 0 and not a_waiting.done()  # the newcomer computes at once
+        assert (await c.push(g, wc.timestamp)).status == "dropped"  # not part of round 0
         wb = await b.push_pull(g, wb.timestamp)
-        wa, wc = await a_waiting, await c_pull
+        wa, wc = await a_waiting, await c.pull(newer_than=0)
         assert wa.timestamp == wb.timestamp == wc.timestamp == 1  # round 0 did not wait for c
         # round 1 needs all three
         t_a = asyncio.create_task(a.push_pull(g, 1))

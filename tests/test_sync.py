@@ -78,7 +78,8 @@ def test_hardsync_joiner_is_counted_from_the_next_update():
     p = members(Hardsync(), 0, 1)
     p.push(Gradient(0, 0))
     p.join(2)  # mid-round
-    assert p.pull_floor(2) == 0  # must wait for the round's weights
+    assert p.pull_floor(2) < p.clock  # its first pull is answered at once: it never waits
+    assert [g.learner for g in p.push(Gradient(2, 0)).dropped] == [2]  # not part of round 0
     d = p.push(Gradient(1, 0))
     assert learners_of(d.updates) == [[0, 1]]  # the round did not wait for the newcomer
     assert p.pull_floor(2) < p.clock
@@ -109,6 +110,30 @@ def test_hardsync_shards_do_not_deadlock_when_learners_join_in_different_orders(
     assert learners_of(b.push(Gradient("B", 0)).updates) == [["A", "B"]]
     assert a.push(Gradient("A", 1)).updates == []
     assert learners_of(a.push(Gradient("B", 1)).updates) == [["A", "B"]]
+
+
+def test_hardsync_shards_do_not_deadlock_when_three_learners_join_in_crossed_orders():
+    """A runs; B and C say hello to both shards while A pushes. On shard a, C comes before A's
+    gradient (it takes part in the round), B after; on shard b, B before, C after. Had a
+    newcomer waited for the round in progress, B would wait on a for C's gradient while C
+    waited on b for B's. Newcomers never wait: every first pull is answered, each round
+    completes with its participants, and the newcomers' gradients for rounds they are not
+    part of are dropped."""
+    a, b = members(Hardsync(), "A"), members(Hardsync(), "A")
+    for shard in (a, b):  # round 0 of {A} completes; round 1 = {A}, no gradient yet
+        shard.push(Gradient("A", 0))
+    a.join("C")
+    b.join("B")
+    a.push(Gradient("A", 1))
+    b.push(Gradient("A", 1))
+    a.join("B")
+    b.join("C")
+    assert all(shard.pull_floor(who) < shard.clock for shard in (a, b) for who in "BC")  # nobody waits
+    assert learners_of(b.push(Gradient("B", 1)).updates) == [["A", "B"]]
+    assert [g.learner for g in a.push(Gradient("B", 1)).dropped] == ["B"]
+    assert learners_of(a.push(Gradient("C", 1)).updates) == [["A", "C"]]
+    assert [g.learner for g in b.push(Gradient("C", 1)).dropped] == ["C"]
+    assert a.clock == b.clock == 2 and a.round == b.round == {"A", "B", "C"}
 
 
 def test_hardsync_newcomer_after_everyone_left_starts_at_once():
