@@ -23,6 +23,7 @@ import numpy as np
 
 from . import security, transports
 from .errors import (
+    ConfigError,
     ConnectError,
     ConnectionClosed,
     PeerGone,
@@ -30,6 +31,7 @@ from .errors import (
     RequestError,
     RudraError,
     TransportError,
+    quoted,
 )
 from .eventloop import PrivateLoop, run_sync
 from .layout import Layout, Shard
@@ -397,6 +399,23 @@ def _check(frame: Frame, expected: MsgType, auth_hint: bool = False) -> Frame:
     return frame
 
 
+#: WELCOME fields that differ from shard to shard of one group by design
+PER_SHARD = frozenset({"learner_id", "shard", "range", "clock", "resumed", "server", "pid"})
+
+
+def same_settings(welcomes: Sequence[dict[str, Any]]) -> None:
+    """ConfigError unless the shards' WELCOMEs agree on everything but :data:`PER_SHARD`
+    (protocol, its options, parameter groups, momentum, ...): a group whose servers were
+    started with other settings (a typo on one host) would train differently shard by shard."""
+    first = {k: v for k, v in welcomes[0].items() if k not in PER_SHARD}
+    for index, welcome in enumerate(welcomes[1:], 1):
+        theirs = {k: v for k, v in welcome.items() if k not in PER_SHARD}
+        differ = sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k))
+        if differ:
+            shown = "; ".join(f"{k} {quoted(theirs.get(k))} there, {quoted(first.get(k))} on shard 0" for k in differ)
+            raise ConfigError(f"shard {index} of the group runs other settings than shard 0: {shown}")
+
+
 class ShardedClient:
     """One learner's connections to every shard of a sharded server group, with the
     interface of :class:`Client`. Shard i (of S) holds the i-th of S contiguous ranges of the
@@ -428,6 +447,11 @@ class ShardedClient:
         )
         clients = [r for r in results if isinstance(r, Client)]
         errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            try:
+                same_settings([c.welcome for c in clients])
+            except ConfigError as exc:
+                errors.append(exc)
         if errors:
             await asyncio.gather(*(c.close() for c in clients))
             raise errors[0]
@@ -458,7 +482,7 @@ class ShardedClient:
 
     @property
     def welcome(self) -> dict[str, Any]:
-        """Shard 0's WELCOME (every shard runs the same settings)."""
+        """Shard 0's WELCOME (every shard runs the same settings: :meth:`connect` checks)."""
         return self.clients[0].welcome
 
     def _per_shard(self, stamp: Stamp) -> list[int]:
@@ -554,8 +578,7 @@ class SyncClient:
         self._loop: PrivateLoop | None = None
         self._run: Callable[[Coroutine[Any, Any, Any]], Any] = run_sync
         self._closed = False
-        kept = None if initial is None else np.array(initial, np.float32, copy=True)  # for a restarted server
-        self._connect_args = (url, layout, kept, kwargs)
+        self._connect_args = (url, layout, initial, kwargs)
         try:
             self._client = self._connect()
         except BaseException:
@@ -565,10 +588,13 @@ class SyncClient:
     def reconnect(self, within: float, retry_every: float = 0.5) -> Weights:
         """After losing the server: connect, say hello and pull again, retrying until
         ``within`` seconds have passed (then the last error is raised); returns the pulled
-        weights. The weights buffer is kept; the initial weights given at construction are
-        sent again (a server restarted without a checkpoint starts from them). The learner
-        id may change."""
+        weights. The weights buffer is kept, and its weights are this learner's initial ones
+        in the new hello: a server restarted without a checkpoint (a shard of a group, say)
+        goes on from the weights the learner last had, not from the run's first ones. The
+        learner id may change."""
         buffer = self._client.weights
+        url, layout, _, kwargs = self._connect_args
+        self._connect_args = (url, layout, buffer.copy(), kwargs)
         self._call(self._client.close())
         deadline = time.monotonic() + within
         while True:

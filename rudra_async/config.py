@@ -435,7 +435,7 @@ class LaunchConfig:
     )
     advertise: str | None = setting(None, "Host name or address learners use to reach this server (default: hostname).")
     listen_host: str = setting("0.0.0.0", "Address the servers listen on.")
-    port: int = setting(0, "Server port (0: any free port, published).", low=0, high=65535)
+    port: int = setting(0, "Server port; shard I listens on port + I (0: any free port, published).", low=0, high=65535)
     wait: float = setting(300.0, "Seconds a learner waits for the servers.", above=0)
     tls_ca: str | None = setting(
         None, "With --tls-cert: the CA (PEM) learners verify the servers' certificates with.", metavar="FILE"
@@ -452,6 +452,10 @@ class LaunchConfig:
         check_ranges(self)
         self.server.validate().check_shards(self.servers)
         check_overlap(self.server, self.learner)
+        if self.port and self.port + self.servers - 1 > 65535:
+            raise ConfigError(
+                f"--port {self.port}: shard {self.servers - 1} would listen on {self.port + self.servers - 1}"
+            )
         check_tls_pair(self.server, self.tls_ca)
         self.learner.validate()
         return self

@@ -225,3 +225,44 @@ def test_train_with_a_shard_group_gives_the_accuracy_of_its_joined_checkpoints(t
     run = run_cli("evaluate", ckpt.replace("{shard}", "1"), ckpt.replace("{shard}", "0"), "--json")
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["test_accuracy"] == res["test_accuracy"]
+
+
+async def test_a_group_whose_shards_run_other_settings_is_refused():
+    """Shard servers started with other settings (a typo on one host) would train differently
+    shard by shard: connecting to such a group is a ConfigError naming what differs, and no
+    learner is left registered."""
+    layout = small_layout()
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [
+            await stack.enter_async_context(run_server(shard=Shard(i, 2), momentum=momentum, kernel="numpy"))
+            for i, momentum in enumerate((0.9, 0.0))
+        ]
+        url = ",".join(ps.addresses[0] for ps in servers)
+        with pytest.raises(
+            ConfigError, match=r"shard 1 of the group runs other settings than shard 0: momentum 0\.0 there"
+        ):
+            await ShardedClient.connect(url.split(","), layout, initial_weights(layout))
+        for _ in range(100):
+            if not any(info.connected for ps in servers for info in ps.core.learners.values()):
+                break
+            await asyncio.sleep(0.02)
+        assert not any(info.connected for ps in servers for info in ps.core.learners.values())
+
+
+def test_evaluate_refuses_shard_checkpoints_of_different_updates(tmp_path):
+    """The parts of one model come from one update: a shard's file left from a crash between
+    periodic checkpoints, or from another run, would join into a model nobody trained."""
+    from rudra_async import checkpoint
+    from rudra_async.learner.evaluation import evaluate_checkpoint
+
+    layout = small_layout()
+    paths = []
+    for index, clock in ((0, 50), (1, 5)):
+        shard = Shard(index, 2)
+        lo, hi = shard.range(layout.size)
+        part = np.zeros(hi - lo, np.float32)
+        path = str(tmp_path / f"part-{index}.ckpt")
+        checkpoint.save(path, checkpoint.Checkpoint(layout, clock, part, part, 0, shard=shard))
+        paths.append(path)
+    with pytest.raises(ConfigError, match=r"of different updates \(shard 0 at update 50, shard 1 at update 5\)"):
+        evaluate_checkpoint(paths)

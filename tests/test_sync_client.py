@@ -234,3 +234,23 @@ def test_a_private_loop_run_inside_a_running_loop_fails_at_once():
     assert time.monotonic() - started < 5
     assert private.run(asyncio.sleep(0, "usable")) == "usable"  # outside, it runs as ever
     private.close()
+
+
+def test_a_reconnect_seeds_a_server_restarted_without_its_checkpoint_with_the_learners_weights():
+    """A server restarted without a checkpoint takes its weights from the first hello: after
+    a reconnect that is the weights the learner last had, not the run's first ones (a
+    restarted shard of a group would otherwise go back to the start while the others go on)."""
+    layout, port = small_layout(), free_port()
+    w0 = initial_weights(layout)
+    with server_thread(listen=[f"tcp://127.0.0.1:{port}"], lr=0.1, momentum=0.0, kernel="numpy"):
+        client = SyncClient(f"tcp://127.0.0.1:{port}", layout, w0)
+        w = client.pull()
+        for _ in range(3):
+            w = client.push_pull(np.ones(layout.size, np.float32), w.timestamp)
+        trained = client.weights.copy()
+    assert not np.array_equal(trained, w0)
+    with server_thread(listen=[f"tcp://127.0.0.1:{port}"], lr=0.1, momentum=0.0, kernel="numpy") as second:
+        again = client.reconnect(10)
+        assert again.timestamp == 0 and np.array_equal(client.weights, trained)
+        np.testing.assert_array_equal(second.core.store.weights, trained)
+        client.close()

@@ -31,7 +31,9 @@ def evaluate(module: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, fl
 
 def evaluate_checkpoint(paths: Sequence[str], model: str = "mlp", dataset: str = "digits") -> dict[str, Any]:
     """Test accuracy and loss of the weights in a checkpoint (or in one checkpoint per shard
-    of a sharded group, in any order), loaded into ``model``."""
+    of a sharded group, in any order, all of one clock: files of different clocks, from a
+    crash between periodic checkpoints or from another run, would join into a model nobody
+    trained), loaded into ``model``."""
     from .. import checkpoint
 
     states = sorted((checkpoint.load(p) for p in paths), key=lambda st: st.shard.index)
@@ -41,6 +43,9 @@ def evaluate_checkpoint(paths: Sequence[str], model: str = "mlp", dataset: str =
         raise ConfigError(f"need one checkpoint for every shard of {count}, got shards {', '.join(shards)}")
     if any(st.layout != states[0].layout for st in states):
         raise ConfigError("the shards' checkpoints belong to different models")
+    if len({st.clock for st in states}) > 1:
+        clocks = ", ".join(f"shard {st.shard.index} at update {st.clock}" for st in states)
+        raise ConfigError(f"the shards' checkpoints are of different updates ({clocks}): not one model")
     data = datasets.load(dataset)
     module = build_model(model, data, seed=0)
     flat = bind(module)

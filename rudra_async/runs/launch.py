@@ -118,7 +118,8 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
     connected for ``cfg.wait`` seconds (a learner that never came), or SIGTERM."""
     from ..server import ParameterServer
 
-    server_cfg = cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, cfg.port))
+    port = cfg.port + shard.index if cfg.port else 0  # shard servers may share a node
+    server_cfg = cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, port))
     path = address_file(cfg, shard.index)
     async with ParameterServer(server_cfg) as ps:
         ps.close_on_signals()
