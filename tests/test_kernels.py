@@ -1,19 +1,26 @@
 """Every update backend equals torch.optim.SGD, and the backends agree with each other."""
 
+import importlib.util
 import itertools
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from helpers import random_batches, sgd_reference
 
-from rudra_async import ConfigError
-from rudra_async.kernels import SGD, Group, Updater, cupy_device_available, make_updater, resolve
+from rudra_async import ConfigError, kernels
+from rudra_async.kernels import SGD, Group, Updater, cupy_device_available, make_updater, preload, resolve
 from rudra_async.kernels.numpy_kernel import BLOCK
 
 gpu = pytest.mark.skipif(not cupy_device_available(), reason="needs CuPy with a CUDA device")
-BACKENDS = ["numpy", "torch", pytest.param("cupy", marks=[pytest.mark.gpu, gpu])]
+BACKENDS = ["numpy", pytest.param("torch", marks=pytest.mark.torch), pytest.param("cupy", marks=[pytest.mark.gpu, gpu])]
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+CPU_AUTO = "torch" if HAS_TORCH else "numpy"  # what auto picks without a usable GPU
 
 
+@pytest.mark.torch  # the reference is torch.optim.SGD
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("momentum, weight_decay, nesterov", [(0.0, 0.0, False), (0.9, 1e-3, False), (0.9, 0.01, True)])
 @pytest.mark.parametrize("c", [1, 3])
@@ -32,6 +39,7 @@ def test_backend_matches_torch_sgd(backend, momentum, weight_decay, nesterov, c)
         np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.torch  # the reference is torch.optim.SGD
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float16_gradients_accumulate_in_float32(backend):
     size = 4096
@@ -45,12 +53,13 @@ def test_float16_gradients_accumulate_in_float32(backend):
     np.testing.assert_allclose(w, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gpu  # and without one, numpy and torch
 def test_backends_agree_with_each_other():
     size = 100_003
     w0 = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     batches = list(random_batches(size, 15, 8))
     results = {}
-    for backend in ["numpy", "torch"] + (["cupy"] if cupy_device_available() else []):
+    for backend in ["numpy"] + (["torch"] if HAS_TORCH else []) + (["cupy"] if cupy_device_available() else []):
         up, w = make_updater(backend, size), w0.copy()
         for grads, scales in batches:
             up.apply(w, w, grads, scales, SGD(0.02, 0.9, 1e-4, True))
@@ -101,6 +110,137 @@ def test_weights_are_read_from_the_buffer_given(backend):
     np.testing.assert_allclose(other, expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_another_array_over_the_memory_of_the_last_output_is_read(backend):
+    """The CuPy backend keeps its device weights only for the very array object it wrote last:
+    another array at that address (as a new buffer allocated where a freed one was) holds
+    other weights, which must be read."""
+    size = 3000
+    (g1, s1), (g2, s2) = random_batches(size, 2, 1)
+    results = []
+    for u in (make_updater(backend, size), make_updater("numpy", size)):
+        out = np.empty(size, np.float32)
+        u.apply(np.ones(size, np.float32), out, g1, s1, SGD(0.1, 0.9))
+        other = out.view()  # the same memory, another array...
+        other[:] = 5.0  # ...with other weights
+        u.apply(other, other, g2, s2, SGD(0.1, 0.9))
+        results.append(other)
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+
+
+def test_a_cupy_install_that_does_not_import_means_no_device(tmp_path, monkeypatch, caplog):
+    """A broken CuPy (its import raises: two CuPy wheels, a CUDA library missing) is no
+    device: auto falls back to the CPU with a warning, an explicit cupy says why it cannot."""
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text('raise ImportError("CuPy is not correctly installed")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)  # imported already: import it again
+    with caplog.at_level(logging.WARNING, "rudra_async.kernels"):
+        assert not cupy_device_available()
+        assert resolve("auto", "auto") == CPU_AUTO
+    assert "does not import" in caplog.text
+    for kernel, device in (("cupy", "auto"), ("auto", "cuda")):
+        with pytest.raises(ConfigError, match=r"CuPy does not import .*not correctly installed"):
+            resolve(kernel, device)
+
+
+class FakeRawKernel:
+    """Stands in for ``cupy.RawKernel``: records how the backend builds and compiles them."""
+
+    made: list[tuple[str, tuple[str, ...]]]
+    compiled: list[str]
+    error: Exception | None = None
+
+    def __init__(self, code, name, options=()):
+        self.name = name
+        FakeRawKernel.made.append((name, tuple(options)))
+
+    def compile(self, log_stream=None):
+        if FakeRawKernel.error is not None:
+            raise FakeRawKernel.error
+        FakeRawKernel.compiled.append(self.name)
+
+
+@pytest.fixture
+def fake_compiler(monkeypatch):
+    """A CUDA device as far as selection sees, and FakeRawKernel as CuPy's compiler (no kernel
+    compiled yet in this process)."""
+    cp = pytest.importorskip("cupy")
+    from rudra_async.kernels import cupy_kernel
+
+    monkeypatch.setattr(kernels, "_cupy_device_problem", lambda: None)
+    monkeypatch.setattr(cupy_kernel, "_compiled", {})
+    monkeypatch.setattr(cp, "RawKernel", FakeRawKernel)
+    monkeypatch.setattr(FakeRawKernel, "made", [], raising=False)
+    monkeypatch.setattr(FakeRawKernel, "compiled", [], raising=False)
+    monkeypatch.setattr(FakeRawKernel, "error", None)
+    return FakeRawKernel
+
+
+def test_cupy_is_chosen_once_both_kernels_compile_without_fused_multiply_adds(fake_compiler):
+    assert resolve("cupy") == "cupy"
+    assert sorted(fake_compiler.compiled) == ["sgd_fold_f16", "sgd_fold_f32"]
+    assert all("--fmad=false" in options for _, options in fake_compiler.made)
+    assert resolve("auto") == "cupy"
+    preload("cupy")
+    assert len(fake_compiler.compiled) == 2, "compiled once per process"
+
+
+def test_kernels_that_do_not_compile_are_found_out_when_the_backend_is_chosen(fake_compiler, caplog):
+    """CuPy compiles a RawKernel at its first launch: a host without NVRTC would pass the
+    selection and fail the first update. Selection compiles both: auto then falls back to the
+    CPU with a warning, an explicit cupy is a ConfigError saying why."""
+    fake_compiler.error = RuntimeError("CuPy failed to load libnvrtc.so.12")
+    with caplog.at_level(logging.WARNING, "rudra_async.kernels"):
+        assert resolve("auto", "auto") == CPU_AUTO
+    assert "does not compile" in caplog.text and "libnvrtc" in caplog.text
+    for kernel, device in (("cupy", "auto"), ("auto", "cuda"), ("cupy", "cuda")):
+        with pytest.raises(ConfigError, match=r"does not compile .*libnvrtc"):
+            resolve(kernel, device)
+    with pytest.raises(ConfigError, match="does not compile"):
+        preload("cupy")
+
+
+@pytest.mark.gpu
+@gpu
+def test_cupy_equals_the_numpy_reference_bit_for_bit():
+    """Compiled without fused multiply-adds, the CUDA kernel rounds every operation as the
+    numpy reference does: the same weights and momentum, bit for bit, signed zeros included.
+    As the server uses it: the updater made and its momentum loaded and read on this thread,
+    the updates applied on another (each thread with its own current CUDA stream)."""
+    size = 70_001
+    rng = np.random.default_rng(7)
+    w0 = rng.standard_normal(size).astype(np.float32)
+    v0 = rng.standard_normal(size).astype(np.float32)
+    w0[:40], v0[:40] = np.tile([0.0, -0.0], 20), np.tile([-0.0, -0.0, 0.0, 0.0], 10)
+    groups = [Group(0, 12345, SGD(0.05, 0.9, 1e-3, True)), Group(12345, 12346, SGD(0.5)), Group(12346, size, SGD(0.01))]
+    runs = [  # gradient dtypes, steps
+        ([np.float32], SGD(0.05)),
+        ([np.float32] * 3, SGD(0.05, 0.9, 1e-3)),
+        ([np.float16] * 4, SGD(0.05, 0.9, 1e-2, True)),
+        ([np.float16, np.float32, np.float16], SGD(0.05, 0.9, 0.0)),
+        ([np.float16] * 2, groups),
+    ]
+    results = {}
+    for backend in ("numpy", "cupy"):
+        up, w = make_updater(backend, size), w0.copy()
+        up.load_momentum(v0)
+        r = np.random.default_rng(1)
+        with ThreadPoolExecutor(1) as update_thread:
+            for step, (dtypes, steps) in enumerate(runs * 2):
+                grads = [r.standard_normal(size).astype(dt) for dt in dtypes]
+                for g in grads:
+                    g[:40] = np.tile([-0.0, -0.0, 0.0, 0.0, -0.0], 8)
+                scales = list(r.uniform(0.1, 1.0, len(grads)) / len(grads))
+                out = w if step % 2 else np.empty_like(w)
+                update_thread.submit(up.apply, w, out, grads, scales, steps).result()
+                w = out
+                results.setdefault(backend, []).append((w.copy(), up.momentum))
+    for step, ((w_ref, v_ref), (w_gpu, v_gpu)) in enumerate(zip(results["numpy"], results["cupy"])):
+        assert w_gpu.tobytes() == w_ref.tobytes(), f"weights differ after update {step}"
+        assert v_gpu.tobytes() == v_ref.tobytes(), f"momentum differs after update {step}"
+
+
 def test_kernel_rejects_bad_batches():
     w = np.zeros(4, np.float32)
     with pytest.raises(ValueError):
@@ -130,6 +270,7 @@ def test_selection():
             resolve("cupy")
 
 
+@pytest.mark.torch  # the reference is torch.optim.SGD
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parameter_groups_equal_torch_sgd_with_two_param_groups(backend):
     """Two groups with their own lr and weight decay (and a shared momentum, nesterov) over one

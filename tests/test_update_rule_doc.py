@@ -402,7 +402,11 @@ async def replay_on_server(ex: Example, settings: dict, kernel: str, tmp_path: P
     return replies, thetas, checkpoint.load(path).momentum
 
 
-KERNELS = ["numpy", pytest.param("torch", marks=pytest.mark.torch), "cupy"]  # cupy is skipped without a CUDA device
+KERNELS = [  # cupy is skipped without a CUDA device
+    "numpy",
+    pytest.param("torch", marks=pytest.mark.torch),
+    pytest.param("cupy", marks=pytest.mark.gpu),
+]
 
 
 def assert_weights(kernel: str, got: np.ndarray, expected: np.ndarray, what: str) -> None:

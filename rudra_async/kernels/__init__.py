@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEVICES",
@@ -193,19 +196,45 @@ def check_momentum(v: np.ndarray, size: int) -> None:
 
 
 def cupy_device_available() -> bool:
-    """True when CuPy is installed *and* sees a CUDA device (never a try-import alone)."""
-    if importlib.util.find_spec("cupy") is None:
-        return False
-    import cupy
+    """True when CuPy imports *and* sees a CUDA device (never a try-import alone)."""
+    return _cupy_device_problem() is None
 
+
+def _cupy_device_problem() -> str | None:
+    """Why CuPy cannot reach a CUDA device, or None when it can. A CuPy install that does not
+    import (two CuPy wheels, a CUDA library missing) reads as no device, with a warning."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
     try:
-        return bool(cupy.is_available())
+        import cupy
+    except Exception as exc:
+        log.warning("CuPy is installed but does not import, so it is not used: %s: %s", type(exc).__name__, exc)
+        return f"CuPy does not import ({type(exc).__name__}: {exc})"
+    try:
+        if cupy.is_available():
+            return None
     except Exception:  # a broken driver install reads as "no device"
-        return False
+        pass
+    return "no CUDA device visible to CuPy"
+
+
+def _cupy_kernel_problem() -> str | None:
+    """Why the CuPy kernels do not compile on the current device (no NVRTC, say), or None
+    when they do (compiled now, once per process: see ``cupy_kernel.compiled_kernels``)."""
+    try:
+        from .cupy_kernel import compiled_kernels
+
+        compiled_kernels()
+    except Exception as exc:
+        return f"the CuPy update kernel does not compile ({type(exc).__name__}: {exc})"
+    return None
 
 
 def resolve(kernel: str = "auto", device: str = "auto") -> str:
-    """The backend name for the ``--kernel`` / ``--kernel-device`` pair."""
+    """The backend name for the ``--kernel`` / ``--kernel-device`` pair. ``cupy`` is chosen
+    only once its kernels are compiled: where they do not compile, ``auto`` falls back to a
+    CPU backend (with a warning logged) and an explicit ``cupy`` or ``cuda`` is a
+    :class:`ConfigError` saying why."""
     if kernel not in ("auto", *KERNELS):
         raise ConfigError(f"unknown kernel {kernel!r}; known: auto, {', '.join(KERNELS)}")
     if device not in DEVICES:
@@ -213,25 +242,37 @@ def resolve(kernel: str = "auto", device: str = "auto") -> str:
     if kernel == "cupy" or device == "cuda":
         if kernel not in ("auto", "cupy"):
             raise ConfigError(f"kernel {kernel!r} runs on the CPU; --kernel-device cuda needs --kernel cupy or auto")
-        if not cupy_device_available():
-            raise ConfigError("no CUDA device visible to CuPy (install rudra-async[gpu] on a GPU machine)")
+        problem = _cupy_device_problem()
+        if problem is not None:
+            raise ConfigError(f"{problem} (install rudra-async[gpu] on a GPU machine)")
+        problem = _cupy_kernel_problem()
+        if problem is not None:
+            raise ConfigError(problem)
         return "cupy"
     if kernel != "auto":
         if kernel == "torch" and importlib.util.find_spec("torch") is None:
             raise ConfigError("kernel 'torch' needs PyTorch installed")
         return kernel
     if device == "auto" and cupy_device_available():
-        return "cupy"
+        problem = _cupy_kernel_problem()
+        if problem is None:
+            return "cupy"
+        log.warning("%s; the update runs on the CPU", problem)
     return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
 
 
 def preload(name: str, threads: int = 0) -> None:
-    """Import the named backend now (torch or CuPy take seconds to import): a server does it
-    as it starts, not on its event loop when the first learner says hello. ``threads`` > 0
-    sets the torch backend's CPU threads (process-wide: ``torch.set_num_threads``)."""
+    """Import the named backend now (torch or CuPy take seconds to import; CuPy's kernels are
+    compiled too, or a :class:`ConfigError` says why not): a server does it as it starts,
+    not on its event loop when the first learner says hello. ``threads`` > 0 sets the torch
+    backend's CPU threads (process-wide: ``torch.set_num_threads``)."""
     module = importlib.import_module(f"{__name__}.{name}_kernel")
     if name == "torch" and threads > 0:
         module.torch.set_num_threads(threads)
+    if name == "cupy":
+        problem = _cupy_kernel_problem()
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def make_updater(name: str, size: int) -> Updater:

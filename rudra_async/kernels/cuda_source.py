@@ -4,9 +4,13 @@ checked on machines without a GPU: ``tests/test_cuda_source.py``).
 One thread per element in a grid-stride loop, in place on the master weights ``w`` and the
 momentum ``v``::
 
-    d = Σ_k scales[k] · g_k[i] + weight_decay · w[i]
+    d = Σ_k scales[k] · g_k[i] + weight_decay · w[i]                           (the decay if not 0)
     v[i] = momentum · v[i] + d;  step = nesterov ? d + momentum · v[i] : v[i]   (if momentum)
     w[i] -= lr · step
+
+each product and sum one float32 operation in the numpy reference's order (CuPy compiles it
+with ``--fmad=false``: see ``cupy_kernel.OPTIONS``), so the two agree bit for bit, signed
+zeros included (NaN payloads aside).
 
 ``grads`` is an array of ``c`` device pointers; each gradient is float32 or float16 (one
 kernel variant per dtype; float16 is widened before the multiply, by one PTX ``cvt``, so
@@ -39,10 +43,13 @@ extern "C" __global__ void sgd_fold_%(name)s(
         float d = 0.0f;
         for (int k = 0; k < c; ++k) {
             const %(gtype)s* g = reinterpret_cast<const %(gtype)s*>(grads[k]);
-            d += scales[k] * %(load)s;
+            const float term = scales[k] * %(load)s;
+            d = k == 0 ? term : d + term;  // not 0 + term: that turns a -0 into +0
         }
         const float wi = w[i];
-        d += weight_decay * wi;
+        if (weight_decay != 0.0f) {
+            d += weight_decay * wi;
+        }
         float step = d;
         if (momentum != 0.0f) {
             const float vi = momentum * v[i] + d;
