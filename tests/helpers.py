@@ -123,6 +123,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports free now, below the kernel's range
+    of ephemeral ports (which outgoing connections take from: a port next to one the OS just
+    gave out is soon taken)."""
+    import random
+
+    for _ in range(1000):
+        first = random.randrange(20000, 32000 - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def wait_listening(port: int, timeout: float = 30.0) -> None:
     """Return once something accepts TCP connections on 127.0.0.1:port."""
     deadline = time.monotonic() + timeout

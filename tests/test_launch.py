@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from helpers import free_port, last_json, reap, run_cli, start_cli
+from helpers import free_port, free_port_run, last_json, reap, run_cli, start_cli
 
 from rudra_async import ConfigError
 from rudra_async.config import LaunchConfig, ServerConfig
@@ -77,7 +77,7 @@ def run_job(tmp_path, world, servers, *extra, engine=("SLURM_PROCID", "SLURM_NTA
 def test_a_slurm_job_of_two_shard_servers_and_two_learners_trains_and_ends(tmp_path):
     checkpoint = str(tmp_path / "ckpt-{shard}")
     (tmp_path / "4242.shard0.url").write_text(f"tcp://127.0.0.1:{free_port()}\n")  # left by a dead server
-    port = free_port()  # shard I listens on port + I: ranks 0 and 1 share this host (both must bind)
+    port = free_port_run(2)  # shard I listens on port + I: ranks 0 and 1 share this host (both must bind)
     results = run_job(tmp_path, 4, 2, "--max-updates", "200", "--checkpoint", checkpoint, "--port", str(port))
     servers, learners = results[:2], results[2:]
     assert [r["role"] for r in results] == ["server", "server", "learner", "learner"]
