@@ -325,7 +325,8 @@ class LearnerConfig:
     """One learner process: where its server is, who it is, and the shared options."""
 
     connect: str = setting(
-        help="Server address, e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, comma-separated, in order."
+        help="Server address (required), e.g. tcp://127.0.0.1:7000; for a sharded group, every shard's, "
+        "comma-separated, in order."
     )
     index: int = setting(0, "Learner index (seeds its sampling; passed to a --data function).", low=0)
     learners: int = setting(1, "Learners in the job (passed to a --data function, to shard the data).", low=1)

@@ -85,10 +85,14 @@ def test_settings_and_layers_the_server_cannot_run_are_refused_before_any_gradie
         plain = nn.Linear(4, 2)
         with pytest.raises(LearnerError, match="the server's SGD minimizes the loss; build the optimizer with maxim"):
             rt.DistributedOptimizer(plain, ps.addresses[0], torch.optim.SGD(plain.parameters(), 0.1, maximize=True))
+        nesterov = torch.optim.SGD(plain.parameters(), 0.1, momentum=0.0, nesterov=False)
+        nesterov.param_groups[0]["nesterov"] = True  # torch refuses nesterov without momentum at construction
+        with pytest.raises(LearnerError, match="start the server with --nesterov, or build the optimizer"):
+            rt.DistributedOptimizer(plain, ps.addresses[0], nesterov)  # a flag: no value to give it
         damped = torch.optim.SGD(plain.parameters(), 0.1, momentum=0.9, dampening=0.5)
         with pytest.raises(LearnerError, match="has no dampening; build the optimizer with dampening=0"):
             rt.DistributedOptimizer(plain, ps.addresses[0], damped)
-        assert ps.stats()["learners"] == {}  # none of them said hello
+        assert len(ps.stats()["learners"]) == 1  # the nesterov check needs the WELCOME; the others come before
     with server_thread(protocol="async", lr=0.1, kernel="numpy") as ps:
         lookup = SparseLookup()
         with rt.DistributedOptimizer(lookup, ps.addresses[0]) as opt:

@@ -98,9 +98,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, welcome: dict[str, 
     for group in optimizer.param_groups:
         for key, theirs in (("momentum", welcome.get("momentum")), ("nesterov", welcome.get("nesterov"))):
             if theirs is not None and group[key] != theirs:
+                flag = f"--{key} {group[key]}" if key == "momentum" else ("--" if group[key] else "no --") + key
                 raise LearnerError(
                     f"the optimizer's {key} is {group[key]}, the server's is {theirs} "
-                    f"(start the server with --{key} {group[key]}, or build the optimizer with {key}={theirs})"
+                    f"(start the server with {flag}, or build the optimizer with {key}={theirs})"
                 )
 
 

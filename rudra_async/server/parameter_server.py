@@ -425,9 +425,12 @@ class ParameterServer:
             )
 
     def refused(self, code: str, message: str) -> None:
-        """Count a refusal under ``code`` and log it (rate-limited: see ``logs.RateLimit``)."""
+        """Count a refusal under ``code`` and log it (rate-limited: see ``logs.RateLimit``): a
+        warning, but for ``stopped``, the answer every learner gets once the run is over
+        (information: nothing went wrong)."""
         self.core.reject(code)
-        log.warning("refused [%s] %s", code, message, extra={"code": code})
+        level = logging.INFO if code == "stopped" else logging.WARNING
+        log.log(level, "refused [%s] %s", code, message, extra={"code": code})
 
     def _accept(self, conn: Connection) -> None:
         """A new connection, before any of its bytes is parsed: its limits (the session's
