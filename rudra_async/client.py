@@ -578,6 +578,7 @@ class SyncClient:
         self._loop: PrivateLoop | None = None
         self._run: Callable[[Coroutine[Any, Any, Any]], Any] = run_sync
         self._closed = False
+        self._pulled = False  # whether weights have come whole into the buffer (a reconnect's seed)
         self._connect_args = (url, layout, initial, kwargs)
         try:
             self._client = self._connect()
@@ -588,13 +589,15 @@ class SyncClient:
     def reconnect(self, within: float, retry_every: float = 0.5) -> Weights:
         """After losing the server: connect, say hello and pull again, retrying until
         ``within`` seconds have passed (then the last error is raised); returns the pulled
-        weights. The weights buffer is kept, and its weights are this learner's initial ones
-        in the new hello: a server restarted without a checkpoint (a shard of a group, say)
-        goes on from the weights the learner last had, not from the run's first ones. The
-        learner id may change."""
+        weights. The weights buffer is kept, and once weights have come into it, they are this
+        learner's initial ones in the new hello: a server restarted without a checkpoint (a
+        shard of a group, say) goes on from the weights the learner last had (if the server
+        was lost while they came, partly the ones before), not from the run's first ones.
+        The learner id may change."""
         buffer = self._client.weights
-        url, layout, _, kwargs = self._connect_args
-        self._connect_args = (url, layout, buffer.copy(), kwargs)
+        if self._pulled:
+            url, layout, _, kwargs = self._connect_args
+            self._connect_args = (url, layout, buffer.copy(), kwargs)
         self._call(self._client.close())
         deadline = time.monotonic() + within
         while True:
@@ -655,6 +658,7 @@ class SyncClient:
 
     def pull(self, newer_than: Stamp = -1) -> Weights:
         weights: Weights = self._call(self._client.pull(newer_than))
+        self._pulled = True
         return weights
 
     def push(self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None) -> Ack:
@@ -665,6 +669,7 @@ class SyncClient:
         self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
     ) -> Weights:
         weights: Weights = self._call(self._client.push_pull(grad, timestamp, step, samples, loss))
+        self._pulled = True
         return weights
 
     def _call(self, request: Coroutine[Any, Any, T]) -> T:

@@ -282,6 +282,8 @@ class ParameterServer:
                     await asyncio.shield(saving)
                 finally:
                     await outlast(saving)  # the lease ends only once the thread no longer reads the weights
+                    if not saving.cancelled():
+                        saving.exception()  # seen: a cancelled checkpoint() does not raise the thread's error
         self.checkpointer.on_disk(target, clock)
         log.info("checkpoint of update %d written to %s", clock, target)
         return clock

@@ -365,10 +365,6 @@ class Session:
         )
         store = core.store
         assert store is not None, "READY implies weights"
-        # The protocols count the learner as computing on these weights from now on, not once
-        # they have reached it: meanwhile a staleness bound waits for it. (If an update this
-        # lets go moves the clock first, it gets newer weights than counted: the safe side.)
-        core.pulled(learner, core.clock)
         # A reply sent while its update is computed leases the weights at once. While another
         # learner's request is in progress, whose update would then need a spare buffer and a
         # copy of the weights, the reply waits for the update instead.
@@ -378,7 +374,9 @@ class Session:
         with store.lease_computing() as (clock, weights, progress):
             # after the wait the update is computed (if not yet reaped, its progress is complete)
             gate = progress if computing else None
-            await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
+            sent = await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
+        if sent:  # counted once sent (deciding on it may apply an update: not while one is computed)
+            core.pulled(learner, clock)
 
     def _weights_meta(self, clock: int) -> dict[str, Any]:
         """The metadata of a WEIGHTS reply carrying the weights of ``clock``."""
