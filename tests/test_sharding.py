@@ -249,6 +249,7 @@ async def test_a_group_whose_shards_run_other_settings_is_refused():
         assert not any(info.connected for ps in servers for info in ps.core.learners.values())
 
 
+@pytest.mark.torch
 def test_evaluate_refuses_shard_checkpoints_of_different_updates(tmp_path):
     """The parts of one model come from one update: a shard's file left from a crash between
     periodic checkpoints, or from another run, would join into a model nobody trained."""
