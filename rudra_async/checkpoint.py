@@ -39,7 +39,7 @@ from .errors import CheckpointError, ConfigError, RudraError, quoted
 from .kernels import max_abs
 from .layout import Layout, Shard
 from .lr import check_policy_state
-from .schema import INT64_MAX
+from .schema import is_count
 from .wire import HEADER_SIZE, Limits, MsgType, encode_frame, parse_segments, spec_of, unpack_header
 
 __all__ = [
@@ -312,11 +312,12 @@ def _map(meta: dict[str, Any], key: str) -> dict[str, Any]:
 
 def _int(meta: dict[str, Any], key: str, path: str) -> int:
     value = meta.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT64_MAX:
+    if not is_count(value):
         raise CheckpointError(
             f"{path} has bad metadata: {key!r} must be an integer in [0, 2^63-1], got {quoted(value)}"
         )
-    return value
+    count: int = value
+    return count
 
 
 def _list(meta: dict[str, Any], key: str, n: int, path: str) -> list[int]:

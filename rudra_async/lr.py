@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, quoted
-from .schema import INT64_MAX
+from .schema import is_count
 
 __all__ = [
     "Constant",
@@ -166,10 +166,10 @@ def read_mean_staleness(state: Any) -> SavedMeanStaleness:
     if not isinstance(state, dict):
         raise ValueError(f"the mean-staleness state must be a map, got {type(state).__name__}")
     recent = state.get("recent", [])
-    if not isinstance(recent, list) or not all(_count(v) for v in recent):
+    if not isinstance(recent, list) or not all(is_count(v) for v in recent):
         raise ValueError("mean-staleness 'recent' must be a list of ints in [0, 2^63-1]")
     for key in ("window", "sum", "count"):
-        if key in state and not _count(state[key]):
+        if key in state and not is_count(state[key]):
             raise ValueError(f"mean-staleness {key!r} must be an int in [0, 2^63-1], got {quoted(state[key])}")
     if "window" not in state:  # an earlier version's
         if recent:  # written with a window: its sum and count were the window's
@@ -194,10 +194,6 @@ def check_policy_state(state: Any) -> None:
         raise ValueError(f"the LR policy's state must be a map, got {type(state).__name__}")
     if any(key in state for key in MEAN_STALENESS_KEYS):
         read_mean_staleness(state)
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_MAX
 
 
 @dataclass

@@ -27,6 +27,13 @@ from .wire import MAX_DIMS, MAX_SEGMENTS, MsgType, is_int
 __all__ = ["FIELDS", "Field", "check", "markdown_table"]
 
 INT64_MAX = 2**63 - 1
+
+
+def is_count(value: Any) -> bool:
+    """Whether ``value`` is a msgpack integer in [0, 2^63 − 1] (a count, a clock)."""
+    return is_int(value) and 0 <= value <= INT64_MAX
+
+
 MAX_NAME = 256  # characters of a learner's name
 MAX_SAMPLES = 2**32  # examples behind one gradient
 MAX_TENSORS = MAX_SEGMENTS  # tensors in a layout: a push may send one segment per tensor

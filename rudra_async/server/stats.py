@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import quoted
-from ..schema import INT64_MAX
+from ..schema import INT64_MAX, is_count
 from ..transports.base import Connection
 
 _SIGMA_KEY = re.compile(r"0|[1-9][0-9]{0,18}")  # as :meth:`StalenessHistogram.to_dict` writes σ
@@ -67,7 +67,7 @@ def parse_histogram(raw: Any) -> Counter[int]:
     for key, count in raw.items():
         if not (isinstance(key, str) and _SIGMA_KEY.fullmatch(key) and int(key) <= INT64_MAX):
             raise ValueError(f"staleness histogram key {quoted(key)} is not a staleness in [0, 2^63-1]")
-        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= INT64_MAX:
+        if not is_count(count):
             raise ValueError(
                 f"staleness histogram count {quoted(count)} of staleness {key} is not an int in [0, 2^63-1]"
             )
