@@ -316,8 +316,7 @@ def _int(meta: dict[str, Any], key: str, path: str) -> int:
         raise CheckpointError(
             f"{path} has bad metadata: {key!r} must be an integer in [0, 2^63-1], got {quoted(value)}"
         )
-    count: int = value
-    return count
+    return value
 
 
 def _list(meta: dict[str, Any], key: str, n: int, path: str) -> list[int]:

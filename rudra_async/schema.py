@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
@@ -29,7 +29,7 @@ __all__ = ["FIELDS", "Field", "check", "markdown_table"]
 INT64_MAX = 2**63 - 1
 
 
-def is_count(value: Any) -> bool:
+def is_count(value: Any) -> TypeGuard[int]:
     """Whether ``value`` is a msgpack integer in [0, 2^63 − 1] (a count, a clock)."""
     return is_int(value) and 0 <= value <= INT64_MAX
 
