@@ -321,6 +321,32 @@ async def test_exported_memory_is_sent_by_reference_and_held_until_released():
     await listener.close()
 
 
+async def test_a_send_by_reference_cancelled_before_the_release_hangs_up_first():
+    """A send of lent memory that is cancelled before the reader released it (a reply cut
+    off at shutdown) returns to a caller whose lease then ends, so the memory may change
+    while the reader still copies it: the socket is shut down before the cancellation
+    returns, so the reader's check after its copy (``Frame.lent``) already says no."""
+    frames = asyncio.Queue()
+    listener = await transports.listen("shm://", collector(frames))
+    conn = await transports.connect(listener.address)
+    weights = shm.exported.allocate(4 * 300_000).view(np.float32)
+    weights[:] = 7.0
+    sending = asyncio.create_task(conn.send(MsgType.WEIGHTS, {"timestamp": 1}, [weights]))
+    try:
+        frame = await asyncio.wait_for(frames.get(), 5)
+        assert frame.lent is not None and frame.lent()  # still lent: the reader may trust its copy
+        sending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(sending, 5)
+        lent_after = frame.lent()  # the lease ends here: the reader must not trust what it copies
+        frame.release()
+    finally:
+        conn.close()
+        shm.exported.free(weights)
+        await asyncio.wait_for(listener.close(), 10)
+    assert not lent_after
+
+
 class DocsOnlyShmLearner:
     """A learner written from docs/wire.md and docs/transports.md ("The shm:// format") alone:
     a blocking Unix socket, struct, msgpack and a POSIX shared-memory segment of its own."""

@@ -759,7 +759,15 @@ class ShmConnection(StreamConnection):
             self._lent.pop(where, None)
             raise
         self.bytes_out += body  # the body goes through shared memory
-        await waiter
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            # The caller's lease on the memory ends as this returns, while the peer may still
+            # copy it: it must see the socket hung up first (Frame.lent), so shut it down now.
+            self._lent.pop(where, None)
+            self._shut_down_socket()
+            self.close()
+            raise
         self._check_open()
 
     def _close_link(self) -> None:

@@ -205,7 +205,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
-            self._cut_thread_write()
+            self._shut_down_socket()
             self.close()
             raise
         except ConnectionClosed:
@@ -221,11 +221,12 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             raise
         self._poller.sent()  # every byte went out: a peer that answered and left since is for recv to report
 
-    def _cut_thread_write(self) -> None:
-        """Shut the socket down, so that a sender thread writes nothing more: even one that
-        has just looked for a stop and is about to call ``sendmsg`` (which then fails), after
-        which the frame's memory may change. A ``sendmsg`` already copying holds the socket's
-        lock, so the shutdown returns only once that copy is over."""
+    def _shut_down_socket(self) -> None:
+        """Shut the socket down at once (not at the loop's next turn, as closing does): the
+        peer sees it hung up, and a sender thread writes nothing more, even one that has just
+        looked for a stop and is about to call ``sendmsg`` (which then fails), after which the
+        frame's memory may change. A ``sendmsg`` already copying holds the socket's lock, so
+        the shutdown returns only once that copy is over."""
         transport = self._transport
         raw = transport.get_extra_info("socket") if transport is not None else None
         if raw is None:
