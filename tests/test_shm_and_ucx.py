@@ -299,33 +299,10 @@ async def test_server_listens_on_tcp_and_shm_at_once():
             await c.close()
 
 
-async def test_exported_memory_is_sent_by_reference_and_held_until_released():
-    """The server publishes weights in exported shared memory: a pull moves a reference (no
-    copy on the server), and the sender's send (and so the weights' lease) lasts until the
-    reader released the frame: the reader never sees the buffer change under it."""
-    frames = asyncio.Queue()
-    listener = await transports.listen("shm://", collector(frames))
-    conn = await transports.connect(listener.address)
-    weights = shm.exported.allocate(4 * 300_000).view(np.float32)
-    weights[:] = 7.0
-    sending = asyncio.create_task(conn.send(MsgType.WEIGHTS, {"timestamp": 1}, [weights]))
-    frame = await asyncio.wait_for(frames.get(), 5)
-    await asyncio.sleep(0.05)
-    assert not sending.done()  # held: the reader has not released yet
-    assert conn._out.segments == {}  # no staging segment: nothing was copied
-    assert np.all(frame.arrays[0] == 7.0)
-    frame.release()
-    await asyncio.wait_for(sending, 5)
-    shm.exported.free(weights)
-    conn.close()
-    await listener.close()
-
-
-async def test_a_send_by_reference_cancelled_before_the_release_hangs_up_first():
-    """A send of lent memory that is cancelled before the reader released it (a reply cut
-    off at shutdown) returns to a caller whose lease then ends, so the memory may change
-    while the reader still copies it: the socket is shut down before the cancellation
-    returns, so the reader's check after its copy (``Frame.lent``) already says no."""
+@contextlib.asynccontextmanager
+async def lending_weights():
+    """A connection whose send of exported weights (all 7.0) is under way: ``(conn,
+    sending, frame)``, ``frame`` the reader's copy of it, not released yet."""
     frames = asyncio.Queue()
     listener = await transports.listen("shm://", collector(frames))
     conn = await transports.connect(listener.address)
@@ -333,17 +310,39 @@ async def test_a_send_by_reference_cancelled_before_the_release_hangs_up_first()
     weights[:] = 7.0
     sending = asyncio.create_task(conn.send(MsgType.WEIGHTS, {"timestamp": 1}, [weights]))
     try:
-        frame = await asyncio.wait_for(frames.get(), 5)
+        yield conn, sending, await asyncio.wait_for(frames.get(), 5)
+    finally:
+        conn.close()
+        shm.exported.free(weights)
+        await asyncio.wait_for(listener.close(), 10)
+
+
+async def test_exported_memory_is_sent_by_reference_and_held_until_released():
+    """The server publishes weights in exported shared memory: a pull moves a reference (no
+    copy on the server), and the sender's send (and so the weights' lease) lasts until the
+    reader released the frame: the reader never sees the buffer change under it."""
+    async with lending_weights() as (conn, sending, frame):
+        await asyncio.sleep(0.05)
+        assert not sending.done()  # held: the reader has not released yet
+        assert conn._out.segments == {}  # no staging segment: nothing was copied
+        assert np.all(frame.arrays[0] == 7.0)
+        frame.release()
+        await asyncio.wait_for(sending, 5)
+
+
+async def test_a_send_by_reference_cancelled_before_the_release_hangs_up_first():
+    """A send of lent memory that is cancelled before the reader released it (a reply cut
+    off at shutdown) returns to a caller whose lease then ends, so the memory may change
+    while the reader still copies it: the socket is shut down before the cancellation
+    returns, so the reader's check after its copy (``Frame.lent``) already says no."""
+    async with lending_weights() as (conn, sending, frame):
         assert frame.lent is not None and frame.lent()  # still lent: the reader may trust its copy
         sending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(sending, 5)
         lent_after = frame.lent()  # the lease ends here: the reader must not trust what it copies
         frame.release()
-    finally:
-        conn.close()
-        shm.exported.free(weights)
-        await asyncio.wait_for(listener.close(), 10)
+        assert conn.is_closed
     assert not lent_after
 
 
