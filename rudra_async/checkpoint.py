@@ -38,7 +38,7 @@ import numpy as np
 from .errors import CheckpointError, ConfigError, RudraError, quoted
 from .kernels import max_abs
 from .layout import Layout, Shard
-from .lr import check_policy_state
+from .lr import MAX_WINDOW, check_policy_state
 from .schema import is_count
 from .wire import HEADER_SIZE, Limits, MsgType, encode_frame, parse_segments, spec_of, unpack_header
 
@@ -56,7 +56,7 @@ _LIMITS = Limits(max_meta=1 << 28, max_body=1 << 62)  # two copies of the model;
 #: each string, bytes, list and map, and all maps and lists together (their values in all)
 _MAX_STR = 1 << 20  # a tensor name, a setting in ``info``
 _MAX_MAP = 1 << 20  # entries of one map: the staleness histogram's values of σ
-_MAX_VALUES = 1 << 24  # values of all lists and maps: a mean-staleness window of up to ~16M values
+_MAX_VALUES = 2 * MAX_WINDOW  # values of all lists and maps: the longest mean-staleness window and as many more
 _MAX_CONTAINERS = 1 << 20  # lists and maps: a layout and groups fit in a HELLO's 1 MiB (< 2^20 lists)
 _TEMPORARY_TRIES = 10  # temporaries a save makes before it gives up (each deleted by a cleanup as it was made)
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from .checkpoint import shard_path
 from .errors import ConfigError
 from .layout import Shard
+from .lr import MAX_WINDOW
 from .options import check_ranges, flat_fields, section, setting
 from .wire import DEFAULT_MAX_BODY
 
@@ -88,7 +89,9 @@ class ServerConfig:
         "constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | "
         "mean-staleness (α0/⟨σ⟩) | a plugin's name | module:Class.",
     )
-    mean_staleness_window: int = setting(0, "mean-staleness: gradients in the window (0: the whole run).", low=0)
+    mean_staleness_window: int = setting(
+        0, "mean-staleness: gradients in the window (0: the whole run).", low=0, high=MAX_WINDOW
+    )
     lr_policy_options: dict[str, Any] = setting(
         factory=dict, flag="--lr-option", help="KEY=VALUE passed to a plugin LR policy (repeatable)."
     )

@@ -70,6 +70,11 @@ class StalenessPlusOne(LRPolicy):
         return 1.0 / (sigma + 1)
 
 
+#: the longest mean-staleness window: a checkpoint keeps the window's values (see
+#: ``checkpoint._MAX_VALUES``, which leaves room for as many more)
+MAX_WINDOW = 1 << 23
+
+
 class MeanStaleness(LRPolicy):
     """α0/⟨σ⟩ with ⟨σ⟩ over the last ``window`` gradients (0: the whole run), at least 1.
 
@@ -83,8 +88,8 @@ class MeanStaleness(LRPolicy):
     name = "mean-staleness"
 
     def __init__(self, window: int = 0) -> None:
-        if window < 0:
-            raise ConfigError(f"mean-staleness window must be >= 0, got {window}")
+        if not 0 <= window <= MAX_WINDOW:
+            raise ConfigError(f"mean-staleness window must be in [0, {MAX_WINDOW}], got {window}")
         self.window = window
         self._recent: deque[int] = deque(maxlen=window or None)  # only kept with a window
         self._recent_sum = 0

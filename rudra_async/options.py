@@ -285,13 +285,18 @@ def check_ranges(obj: Any) -> None:
             raise ConfigError(f"{flag} must be a finite number, got {value}")
         low, high, above, below = (f.metadata.get(k) for k in ("low", "high", "above", "below"))
         if low is not None and value < low:
-            raise ConfigError(f"{flag} must be >= {low:g}, got {value:g}")
+            raise ConfigError(f"{flag} must be >= {_shown(low)}, got {_shown(value)}")
         if above is not None and not value > above:
-            raise ConfigError(f"{flag} must be > {above:g}, got {value:g}")
+            raise ConfigError(f"{flag} must be > {_shown(above)}, got {_shown(value)}")
         if high is not None and value > high:
-            raise ConfigError(f"{flag} must be <= {high:g}, got {value:g}")
+            raise ConfigError(f"{flag} must be <= {_shown(high)}, got {_shown(value)}")
         if below is not None and not value < below:
-            raise ConfigError(f"{flag} must be < {below:g}, got {value:g}")
+            raise ConfigError(f"{flag} must be < {_shown(below)}, got {_shown(value)}")
+
+
+def _shown(number: float) -> str:
+    """A bound or value as an error message shows it: an int exactly, a float briefly."""
+    return str(number) if isinstance(number, int) else f"{number:g}"
 
 
 # -- command-line flags --------------------------------------------------------------------

@@ -33,7 +33,7 @@ from helpers import (
 from rudra_async import CheckpointError, ConfigError, ParameterServer, ServerConfig
 from rudra_async import checkpoint as ckpt
 from rudra_async.client import Client
-from rudra_async.lr import MeanStaleness
+from rudra_async.lr import MAX_WINDOW, MeanStaleness
 from rudra_async.server.checkpointer import Checkpointer
 from rudra_async.wire import Header, MsgType, encode_frame
 
@@ -555,12 +555,14 @@ def test_metadata_that_would_decode_into_a_huge_object_graph_is_refused_early(tm
     assert peak < 150 << 20
 
 
-def test_a_real_checkpoint_of_a_long_window_and_a_large_layout_loads(tmp_path):
-    """The bounds leave room for what a server writes: 10^6 staleness values, 10^5 tensors."""
+def test_a_real_checkpoint_of_the_longest_window_and_a_large_layout_loads(tmp_path):
+    """The bounds leave room for what a server writes: the longest mean-staleness window
+    the settings allow (2^23 values; a longer one made every checkpoint fail), 10^4
+    staleness histogram entries, 10^5 tensors."""
     from rudra_async.layout import Layout
 
     layout = Layout.from_shapes([(f"t{i}", (1, 1)) for i in range(100_000)])
-    recent = list(range(1_000_000))
+    recent = [i % 1000 for i in range(MAX_WINDOW)]
     state = {
         "staleness": {str(s): 1 for s in range(10_000)},
         "lr_policy": {"window": len(recent), "sum": sum(recent), "count": len(recent), "recent": recent},

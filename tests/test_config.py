@@ -78,6 +78,8 @@ def test_values_are_type_checked_and_unknown_keys_name_the_nearest():
         ({"max_frame": 10}, "--max-frame must be >= 1024"),
         ({"warmup": -1}, "--warmup must be >= 0"),
         ({"lr_decay_at": (float("inf"),)}, "--lr-decay-at milestones must be finite"),
+        # a longer window would not fit in a checkpoint; an int bound is shown exactly
+        ({"mean_staleness_window": (1 << 23) + 1}, "--mean-staleness-window must be <= 8388608, got 8388609"),
     ],
 )
 def test_every_numeric_setting_is_checked_for_finiteness_and_range(setting, message):
