@@ -15,7 +15,7 @@ from . import __version__
 from .config import LaunchConfig, LearnerConfig, LogOptions, ServerConfig, TrainConfig
 from .errors import ConfigError, RudraError
 from .eventloop import run as run_loop
-from .options import click_options, from_flat, read_file, to_flat
+from .options import click_options, from_flat, nearest, read_file, to_flat
 
 
 def _fail(exc: BaseException) -> None:
@@ -32,6 +32,10 @@ def main(log_level: str, log_format: str) -> None:
 
     configure(log_level, log_format)
     os.environ["RUDRA_ASYNC_LOG_FORMAT"] = log_format  # learner processes a run starts log alike
+    for name in unknown_variables(os.environ):
+        logging.getLogger(__name__).warning(
+            "%s is not a variable rudra-async reads%s; it is ignored", name, nearest(name, known_variables())
+        )
 
 
 def _accuracy(result: dict[str, Any]) -> str:
@@ -236,3 +240,36 @@ def status(address: str, as_json: bool, interval: float, count: int | None) -> N
             watch(address, interval, count)
     except RudraError as exc:
         _fail(exc)
+
+
+#: the variables read by name rather than as a command's setting; besides these, names that
+#: begin with ``RUDRA_ASYNC_<SCHEME>_`` belong to the transport of that URL scheme (e.g.
+#: ``RUDRA_ASYNC_UCX_PROGRESS``)
+OTHER_VARIABLES = ("RUDRA_ASYNC_SECRET", "RUDRA_ASYNC_BUSY_POLL_US", "RUDRA_ASYNC_SEND_THREAD_BYTES")
+PREFIX = "RUDRA_ASYNC_"
+
+
+def known_variables() -> list[str]:
+    """Every ``RUDRA_ASYNC_*`` name a command reads: the settings' variables (as click's
+    ``auto_envvar_prefix`` names them: ``RUDRA_ASYNC_[COMMAND_]OPTION``) and :data:`OTHER_VARIABLES`."""
+    return [*_option_variables(main, PREFIX), *OTHER_VARIABLES]
+
+
+def _option_variables(command: click.Command, prefix: str) -> list[str]:
+    """The variables of ``command``'s options and, for a group, of its commands'."""
+    names = [prefix + p.name.upper() for p in command.params if isinstance(p, click.Option) and p.name]
+    for name, sub in getattr(command, "commands", {}).items():
+        names += _option_variables(sub, prefix + name.upper().replace("-", "_") + "_")
+    return names
+
+
+def unknown_variables(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    """The ``RUDRA_ASYNC_*`` names in ``environ`` that nothing reads (a misspelt one would
+    otherwise be ignored without a word), sorted."""
+    candidates = {name for name in environ if name.startswith(PREFIX)} - set(known_variables())
+    if not candidates:
+        return []
+    from .transports import known_schemes  # only now: most runs have nothing to look up
+
+    owned = tuple(PREFIX + scheme.upper() + "_" for scheme in known_schemes())
+    return sorted(name for name in candidates if not name.startswith(owned))

@@ -231,3 +231,34 @@ async def test_a_signal_ends_the_learners_run_but_an_owners_cancel_stays_one(own
     else:
         assert await learners_run is None
     assert learners_run.done() and stop.received == [signal.SIGTERM]
+
+
+def test_a_misspelt_variable_is_named_in_a_warning_and_the_real_ones_are_not():
+    """A RUDRA_ASYNC_* name that nothing reads used to be ignored without a word, so a typo
+    silently ran with the default. Real settings, the variables read by name and a
+    transport's own (RUDRA_ASYNC_<SCHEME>_*) pass without a warning."""
+    env = {
+        "RUDRA_ASYNC_SERVER_LRR": "0.5",
+        "RUDRA_ASYNC_SERVER_MOMENTUM": "0.5",
+        "RUDRA_ASYNC_BUSY_POLL_US": "100",
+        "RUDRA_ASYNC_UCX_PROGRESS": "thread",
+    }
+    proc = run_cli("server", "--show-config", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["momentum"] == 0.5 and json.loads(proc.stdout)["lr"] == 0.03  # LRR: ignored
+    warned = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert len(warned) == 1, proc.stderr
+    assert (
+        "RUDRA_ASYNC_SERVER_LRR is not a variable rudra-async reads (did you mean 'RUDRA_ASYNC_SERVER_LR'?)"
+        in warned[0]
+    )
+
+
+def test_every_variable_the_package_reads_by_name_is_known():
+    """Each RUDRA_ASYNC_* name written in the package's source is one the warning above knows."""
+    from rudra_async import cli
+
+    source = Path(cli.__file__).parent
+    names = {m for path in source.rglob("*.py") for m in re.findall(r'"(RUDRA_ASYNC_[A-Z0-9_]+)"', path.read_text())}
+    assert "RUDRA_ASYNC_SECRET" in names and "RUDRA_ASYNC_BUSY_POLL_US" in names  # the scan finds them
+    assert cli.unknown_variables({name: "" for name in names}) == []
