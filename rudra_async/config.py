@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from .checkpoint import shard_path
 from .errors import ConfigError
 from .layout import Shard
+from .learner.tensorboard import check_directory
 from .lr import MAX_WINDOW
 from .options import check_ranges, flat_fields, section, setting
 from .wire import DEFAULT_MAX_BODY
@@ -320,6 +321,8 @@ class LearnerOptions:
 
     def validate(self) -> LearnerOptions:
         check_ranges(self)
+        if self.tensorboard is not None:
+            check_directory(self.tensorboard)
         return self
 
 

@@ -47,3 +47,30 @@ def test_train_with_tensorboard_writes_one_run_per_learner(tmp_path):
     found = [scalars(tmp_path / run) for run in runs]  # a learner started late may have had no step
     assert sum(len(f.get("train/loss", [])) for f in found) >= 30  # a step per gradient the server took
     assert all(v >= 0 for f in found for _, v in f.get("train/staleness", []))
+
+
+def test_train_refuses_a_directory_it_cannot_write_before_any_learner_starts(tmp_path):
+    """The directory used to be checked only by each learner, after the server and λ
+    processes had started (λ errors, seconds later); the settings' check refuses it now."""
+    from helpers import run_cli
+
+    (tmp_path / "a-file").write_text("")
+    proc = run_cli(
+        "train", "--learners", "3", "--updates", "10", "--quiet", "--tensorboard", str(tmp_path / "a-file/x")
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --tensorboard {tmp_path / 'a-file/x'}: cannot write there ({tmp_path / 'a-file'} is not a directory)"
+    ]
+
+
+def test_a_missing_tensorboard_package_is_refused_with_the_settings(monkeypatch):
+    import importlib.util
+
+    from rudra_async.config import LearnerOptions
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the tensorboard package: pip install 'rudra-async\[tensorboard\]'"):
+        LearnerOptions(tensorboard="runs").validate()
+    LearnerOptions().validate()  # without --tensorboard, nothing is needed

@@ -6,13 +6,16 @@ of the loop is known here.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["TrainingLog", "open_log", "updates_between"]
+__all__ = ["TrainingLog", "check_directory", "open_log", "updates_between"]
+
+MISSING = "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
 
 
 class TrainingLog:
@@ -23,9 +26,7 @@ class TrainingLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError(
-                "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
-            ) from None
+            raise ConfigError(MISSING) from None
         try:
             self._writer: Any = SummaryWriter(log_dir=directory)
         except OSError as exc:
@@ -76,3 +77,19 @@ def open_log(directory: str | None, name: str) -> TrainingLog | _NoLog:
     if directory is None:
         return _NoLog()
     return TrainingLog(os.path.join(directory, name))
+
+
+def check_directory(directory: str) -> None:
+    """Raise, without importing torch, the ConfigError a learner's :func:`open_log` would
+    for ``directory`` (so a run fails before its processes start): the tensorboard package
+    is missing, or the nearest existing path on the way to ``directory`` is not a directory
+    one can write into."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(MISSING)
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--tensorboard {directory}: cannot write there ({existing} is not a directory)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--tensorboard {directory}: cannot write there ({existing} is not writable)")
