@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, quoted
-from .schema import is_count
+from .schema import all_counts, is_count
 
 __all__ = [
     "Constant",
@@ -171,7 +171,7 @@ def read_mean_staleness(state: Any) -> SavedMeanStaleness:
     if not isinstance(state, dict):
         raise ValueError(f"the mean-staleness state must be a map, got {type(state).__name__}")
     recent = state.get("recent", [])
-    if not isinstance(recent, list) or not all(is_count(v) for v in recent):
+    if not isinstance(recent, list) or not all_counts(recent):
         raise ValueError("mean-staleness 'recent' must be a list of ints in [0, 2^63-1]")
     for key in ("window", "sum", "count"):
         if key in state and not is_count(state[key]):
