@@ -666,8 +666,12 @@ async def test_a_blocking_learner_over_shm_pushes_before_writing_and_the_server_
 async def test_pushes_written_after_their_reference_reuse_the_segment_of_the_hello(monkeypatch):
     """Every segment a learner makes has room for a progress word after a body of its size,
     so its pushes written after their reference go into the segment its HELLO's initial
-    weights used (a new one would stay mapped by the server: a model's size of memory)."""
+    weights used (a new one would stay mapped by the server: a model's size of memory).
+    The updates are computed inline, so each push's body is released before its reply goes
+    out: with a background update it is released once the loop reaps the update, which may
+    come after the learner's next push took a segment (which then makes a new one)."""
     write_ahead(monkeypatch, piece_s=0)
+    monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1 << 30)  # write_ahead's 1: every update in the background
     monkeypatch.setattr(shm, "ORDERED_STORES", True)
     size = 400_000  # 1.6 MB: beyond the smallest segment (1 MiB)
     names = []
