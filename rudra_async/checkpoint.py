@@ -2,7 +2,9 @@
 
 A checkpoint file is one frame of the wire format (``docs/wire.md``) of type CHECKPOINT
 (9): the 24-byte header, a msgpack metadata map, then two float32 segments, the weights and
-the momentum, of the values the file's shard holds. Metadata keys: ``format`` (1),
+the momentum, of the values the file's shard holds, and (format 2) the model's frozen
+parameters and buffers, one segment each. Metadata keys: ``format`` (1, or 2 with
+``model_state``: the frozen parameters' and buffers' layout, as HELLO's ``state``),
 ``clock``, ``layout`` (the whole model's, as in HELLO), ``shard`` ([index, count]),
 ``samples``, ``crc32`` (of each segment's bytes), ``meta_crc32`` (of the rest of the
 metadata, see :func:`_meta_crc`), ``saved_at`` (Unix time), ``state``
@@ -39,6 +41,7 @@ from .errors import CheckpointError, ConfigError, RudraError, quoted
 from .kernels import max_abs
 from .layout import Layout, Shard
 from .lr import MAX_WINDOW, check_policy_state
+from .model_state import StateLayout
 from .schema import is_count
 from .wire import HEADER_SIZE, Limits, MsgType, encode_frame, parse_segments, spec_of, unpack_header
 
@@ -50,7 +53,8 @@ __all__ = [
     "shard_path",
 ]
 
-FORMAT = 1
+FORMAT = 1  # a file without the model's state (format 2 has it)
+FORMAT_WITH_STATE = 2
 _LIMITS = Limits(max_meta=1 << 28, max_body=1 << 62)  # two copies of the model; a long LR-policy window
 #: bounds on decoding the metadata, so that a small file cannot decode into a huge object graph:
 #: each string, bytes, list and map, and all maps and lists together (their values in all)
@@ -75,6 +79,9 @@ class Checkpoint:
     saved_at: float = 0.0
     shard: Shard = field(default_factory=Shard)
     state: dict[str, Any] = field(default_factory=dict)
+    #: the frozen parameters and buffers (their layout, and one array each in its order); None: the file has none
+    model_state: StateLayout | None = None
+    model_state_values: list[np.ndarray] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -90,20 +97,27 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
     arrays = [np.ascontiguousarray(a, np.float32).reshape(-1) for a in (ckpt.weights, ckpt.momentum)]
     if any(a.size != ckpt.size for a in arrays):
         raise CheckpointError(f"weights and momentum must have {ckpt.size} values each")
+    if ckpt.model_state is not None:
+        try:
+            ckpt.model_state.check_arrays(ckpt.model_state.tensors, ckpt.model_state_values)
+        except RudraError as exc:
+            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
+        arrays += [np.require(a, requirements="C") for a in ckpt.model_state_values]  # 0-d stays 0-d
     try:
         _check_state(ckpt.state, ckpt.layout)  # never write what load would refuse
     except (ValueError, RudraError) as exc:
         raise CheckpointError(f"cannot write checkpoint {path}: bad 'state': {exc}") from None
     meta = {
-        "format": FORMAT,
+        "format": FORMAT if ckpt.model_state is None else FORMAT_WITH_STATE,
         "clock": int(ckpt.clock),
         "layout": ckpt.layout.to_wire(),
         "shard": ckpt.shard.to_wire(),
         "samples": int(ckpt.samples),
-        "crc32": [zlib.crc32(a.data) for a in arrays],
+        "crc32": [zlib.crc32(_bytes(a)) for a in arrays],
         "saved_at": time.time(),
         "state": ckpt.state,
         "info": ckpt.info,
+        **({"model_state": ckpt.model_state.to_wire()} if ckpt.model_state is not None else {}),
         "seg": [spec_of(a).to_wire() for a in arrays],  # as encode_frame writes it: covered by meta_crc32
     }
     try:
@@ -221,13 +235,25 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
         lo, hi = shard.range(layout.size)
     except RudraError as exc:
         raise CheckpointError(f"{path} has bad metadata: {exc}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}; this version reads {FORMAT}")
+    if meta.get("format") not in (FORMAT, FORMAT_WITH_STATE):
+        raise CheckpointError(
+            f"{path} has checkpoint format {meta.get('format')!r}; this version reads {FORMAT} and {FORMAT_WITH_STATE}"
+        )
     if "meta_crc32" in meta and meta["meta_crc32"] != _meta_crc(meta):  # absent in files of earlier versions
         raise CheckpointError(f"{path} is corrupt: its metadata fails its CRC-32 check")
-    if [(s.dtype.str, s.shape) for s in specs] != [("<f4", (hi - lo,))] * 2:
-        raise CheckpointError(f"{path} must hold two float32 segments of {hi - lo} values")
-    crcs = _list(meta, "crc32", 2, path)
+    model_state = None
+    if meta["format"] == FORMAT_WITH_STATE:
+        try:
+            model_state = StateLayout.from_wire(meta.get("model_state"))
+        except RudraError as exc:
+            raise CheckpointError(f"{path} has a bad 'model_state': {exc}") from None
+    extra = [(t.dtype, t.shape) for t in model_state.tensors] if model_state is not None else []
+    if [(s.dtype.str, s.shape) for s in specs] != [("<f4", (hi - lo,))] * 2 + extra:
+        raise CheckpointError(
+            f"{path} must hold two float32 segments of {hi - lo} values"
+            + (" and one for each tensor of its 'model_state'" if extra else "")
+        )
+    crcs = _list(meta, "crc32", len(specs), path)
     clock, samples = _int(meta, "clock", path), _int(meta, "samples", path)
     state = meta.get("state", {})
     try:
@@ -235,19 +261,23 @@ def _read(f: BinaryIO, path: str) -> Checkpoint:
     except (ValueError, RudraError) as exc:
         raise CheckpointError(f"{path} has a bad 'state': {exc}") from None
     try:
-        arrays = [np.empty(hi - lo, np.float32) for _ in specs]
+        arrays = [np.empty(s.shape, s.dtype) for s in specs]
     except MemoryError:  # numpy's _ArrayMemoryError too
-        raise CheckpointError(f"{path} holds 2 x {hi - lo} values: not enough memory to read them") from None
+        raise CheckpointError(
+            f"{path} holds {header.body_len} bytes of arrays: not enough memory to read them"
+        ) from None
     for a, crc in zip(arrays, crcs):
-        _read_exactly(f, a.data.cast("B"))
-        if zlib.crc32(a.data) != crc:
+        _read_exactly(f, _bytes(a))
+        if zlib.crc32(_bytes(a)) != crc:
             raise CheckpointError(f"{path} is corrupt: a segment fails its CRC-32 check")
-    if not all(math.isfinite(max_abs(a)) for a in arrays):
+    if not all(math.isfinite(max_abs(a)) for a in arrays[:2]):
         raise CheckpointError(f"{path} holds weights or momentum that are not finite")
     info = _map(meta, "info")
     saved_at = meta.get("saved_at", 0.0)
     saved_at = float(saved_at) if isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool) else 0.0
-    return Checkpoint(layout, clock, arrays[0], arrays[1], samples, info, saved_at, shard, state)
+    return Checkpoint(
+        layout, clock, arrays[0], arrays[1], samples, info, saved_at, shard, state, model_state, arrays[2:]
+    )
 
 
 def _decode_meta(data: bytes | memoryview) -> dict[str, Any]:
@@ -292,8 +322,9 @@ class _Budget:
 def _check_state(state: Any, layout: Layout) -> None:
     """Check ``state`` as a server restores it, so that a restore cannot fail half-way: a map
     whose ``staleness`` is a valid histogram, whose ``lr_policy`` is a map (a valid
-    mean-staleness state if it has that policy's keys) and whose ``groups``, if present,
-    cover ``layout``. Raises ValueError or RequestError naming what is wrong."""
+    mean-staleness state if it has that policy's keys), whose ``groups``, if present,
+    cover ``layout``, and whose ``rates``, if present, are one base rate per group. Raises
+    ValueError or RequestError naming what is wrong."""
     from .server.groups import parse_groups  # here: rudra_async.server imports this module
     from .server.stats import parse_histogram
 
@@ -301,8 +332,13 @@ def _check_state(state: Any, layout: Layout) -> None:
         raise ValueError(f"must be a map, got {type(state).__name__}")
     parse_histogram(state.get("staleness", {}))
     check_policy_state(state.get("lr_policy", {}))
-    if "groups" in state:
-        parse_groups(state["groups"], layout)
+    groups = parse_groups(state["groups"], layout) if "groups" in state else (None,)
+    rates = state.get("rates", [1.0] * len(groups))
+    ok = isinstance(rates, list) and len(rates) == len(groups)
+    if not ok or not all(
+        isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in rates
+    ):
+        raise ValueError(f"'rates' must list {len(groups)} finite numbers > 0 (one per group), got {quoted(rates)}")
 
 
 def _map(meta: dict[str, Any], key: str) -> dict[str, Any]:
@@ -324,6 +360,11 @@ def _list(meta: dict[str, Any], key: str, n: int, path: str) -> list[int]:
     if not isinstance(value, list) or len(value) != n or not all(isinstance(v, int) for v in value):
         raise CheckpointError(f"{path} has bad metadata: {key!r} must be a list of {n} integers, got {quoted(value)}")
     return value
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's memory as bytes (of any dtype and shape, 0-d and empty ones too)."""
+    return array.reshape(-1).view(np.uint8).data
 
 
 def _read_exactly(f: BinaryIO, view: memoryview) -> None:

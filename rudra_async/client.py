@@ -31,10 +31,12 @@ from .errors import (
     RequestError,
     RudraError,
     TransportError,
+    Unreachable,
     quoted,
 )
 from .eventloop import PrivateLoop, run_sync
 from .layout import Layout, Shard
+from .model_state import StateLayout
 from .transports.blocking import BlockingConnection
 from .wire import Allocator, Frame, Limits, MsgType
 
@@ -170,6 +172,9 @@ class Client:
         self.clock: int = welcome.get("clock", 0)
         #: the checkpoint clock the server resumed from (``--resume``), or None
         self.resumed_from: int | None = welcome.get("resumed")
+        #: this learner's index and λ, to take its part of the data by (the newest WEIGHTS' λ)
+        self.index: int = welcome.get("index", 0)
+        self.learners: int = welcome.get("learners", 1)
         self._seq = 1
         self._abandoned: str | None = None  # why the connection was closed under a request
         self.weights = np.empty(self.range[1] - self.range[0], np.float32)
@@ -189,6 +194,8 @@ class Client:
         groups: Sequence[Sequence[Any]] | None = None,
         secret: bytes | str | None = None,
         tls: ssl.SSLContext | None = None,
+        index: int | None = None,
+        state: StateLayout | None = None,
     ) -> Client:
         """Connect, authenticate and register. ``initial`` (flat float32) seeds the server if
         it has no weights, and ``groups`` (``[[tensors, lr, weight_decay], ...]``,
@@ -196,10 +203,21 @@ class Client:
         and only that shard's part of ``initial``. ``secret``: the server's shared secret
         (default: the ``RUDRA_ASYNC_SECRET`` variable, if set); the server must prove it
         knows it too. ``tls``: an ``ssl.SSLContext`` (e.g. :func:`rudra_async.security.client_tls`)
-        for a TLS server (tcp only)."""
+        for a TLS server (tcp only). ``index``: the learner index to ask for; ``state``: the
+        model's frozen parameters and buffers (:meth:`exchange_state` sends their values)."""
         conn = await transports.connect(url, limits=limits, timeout=timeout, tls=tls)
         return await cls.hello(
-            conn, layout, initial, name=name, timeout=timeout, shard=shard, groups=groups, secret=secret, url=url
+            conn,
+            layout,
+            initial,
+            name=name,
+            timeout=timeout,
+            shard=shard,
+            groups=groups,
+            secret=secret,
+            url=url,
+            index=index,
+            state=state,
         )
 
     @classmethod
@@ -215,6 +233,8 @@ class Client:
         groups: Sequence[Sequence[Any]] | None = None,
         secret: bytes | str | None = None,
         url: str | None = None,
+        index: int | None = None,
+        state: StateLayout | None = None,
     ) -> Client:
         """Authenticate (with a secret) and register on an open connection (see :meth:`connect`);
         the connection is closed on failure."""
@@ -228,6 +248,10 @@ class Client:
                 meta["shard"] = shard.to_wire()
             if groups is not None:
                 meta["groups"] = [list(g) for g in groups]
+            if index is not None:
+                meta["index"] = index
+            if state is not None:
+                meta["state"] = state.to_wire()
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
             reply = await _exchange(conn, MsgType.HELLO, meta, arrays, where, timeout, "WELCOME")
             welcome = _check(reply, MsgType.WELCOME, auth_hint=key is None).meta
@@ -281,6 +305,7 @@ class Client:
             frame.release()
             raise PeerGone("the server closed the connection while its weights were being read (they may mix updates)")
         self.clock = frame.meta["timestamp"]
+        self.learners = frame.meta.get("learners", self.learners)
         frame.release()
         return Weights(self.clock, self.weights, bool(frame.meta.get("stop")))
 
@@ -289,27 +314,54 @@ class Client:
         return self._weights(await self._request(MsgType.PULL, {"newer_than": scalar(newer_than)}))
 
     async def push(
-        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self,
+        grad: Gradient,
+        timestamp: Stamp,
+        step: int = 0,
+        samples: int = 0,
+        loss: float | None = None,
+        lr: Sequence[float] | None = None,
     ) -> Ack:
         """Push a gradient computed on weights stamped ``timestamp`` over ``samples`` examples
         (``loss``, the mini-batch's training loss, feeds the server's loss curve). ``grad``:
         one float32 (or float16) array of the layout's size, or its parts end to end (each
-        tensor's gradient, in layout order), sent as they are, without gathering them."""
-        meta = self._push_meta(timestamp, step, samples, False, loss)
+        tensor's gradient, in layout order), sent as they are, without gathering them.
+        ``lr``: new base rates of the parameter groups (a scheduler's), one per group."""
+        meta = self._push_meta(timestamp, step, samples, False, loss, lr)
         reply = _check(await self._request(MsgType.PUSH, meta, gradient_segments(grad)), MsgType.ACK)
         reply.release()
         m = reply.meta
         return Ack(m["timestamp"], m["status"], m.get("staleness"), bool(m.get("stop")))
 
     async def push_pull(
-        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self,
+        grad: Gradient,
+        timestamp: Stamp,
+        step: int = 0,
+        samples: int = 0,
+        loss: float | None = None,
+        lr: Sequence[float] | None = None,
     ) -> Weights:
         """Push a gradient and get the weights the protocol lets this learner have next, in one
         round trip (for hardsync: the weights after this round's update)."""
-        meta = self._push_meta(timestamp, step, samples, True, loss)
+        meta = self._push_meta(timestamp, step, samples, True, loss, lr)
         return self._weights(await self._request(MsgType.PUSH, meta, gradient_segments(grad)))
 
-    def _push_meta(self, timestamp: Stamp, step: int, samples: int, pull: bool, loss: float | None) -> dict[str, Any]:
+    async def exchange_state(self, arrays: Sequence[np.ndarray], *, every: bool, reply: bool) -> list[np.ndarray]:
+        """Send the model's frozen parameters and buffers (``every``: all state tensors, in
+        the order of the hello's ``state``) or its buffers only; with ``reply``, return the
+        run's values of every state tensor (new arrays), else []."""
+        meta = {"tensors": "all" if every else "buffers", "reply": reply}
+        frame = _check(
+            await self._request(MsgType.STATE, meta, [np.require(a, requirements="C") for a in arrays]), MsgType.STATE
+        )
+        values = [a.copy() for a in frame.arrays]
+        frame.release()
+        return values
+
+    def _push_meta(
+        self, timestamp: Stamp, step: int, samples: int, pull: bool, loss: float | None, lr: Sequence[float] | None
+    ) -> dict[str, Any]:
         """A PUSH's fields; whole numbers of any integer type (numpy's, a one-element integer
         tensor) are sent as ints, anything else is RequestError ``bad_request``."""
         try:
@@ -322,6 +374,8 @@ class Client:
             }
             if loss is not None:
                 meta["loss"] = float(loss)
+            if lr is not None:
+                meta["lr"] = [float(r) for r in lr]
         except (TypeError, ValueError) as exc:
             raise RequestError(f"bad push argument: {exc}", code="bad_request") from None
         return meta
@@ -400,7 +454,9 @@ def _check(frame: Frame, expected: MsgType, auth_hint: bool = False) -> Frame:
 
 
 #: WELCOME fields that differ from shard to shard of one group by design
-PER_SHARD = frozenset({"learner_id", "shard", "range", "clock", "resumed", "server", "pid"})
+PER_SHARD = frozenset(
+    {"learner_id", "shard", "range", "clock", "resumed", "server", "pid", "index", "learners", "state", "lr"}
+)
 
 
 def same_settings(welcomes: Sequence[dict[str, Any]]) -> None:
@@ -438,9 +494,10 @@ class ShardedClient:
             None if initial is None else np.ascontiguousarray(initial, np.float32).reshape(-1)[lo:hi]
             for lo, hi in ranges
         ]
+        state = kwargs.pop("state", None)  # shard 0 keeps the model's frozen parameters and buffers
         results = await asyncio.gather(
             *(
-                Client.connect(url, layout, part, shard=shard, **kwargs)
+                Client.connect(url, layout, part, shard=shard, state=state if shard.index == 0 else None, **kwargs)
                 for url, part, shard in zip(urls, parts, shards)
             ),
             return_exceptions=True,
@@ -481,6 +538,14 @@ class ShardedClient:
         return self.clients[0].protocol
 
     @property
+    def index(self) -> int:
+        return self.clients[0].index
+
+    @property
+    def learners(self) -> int:
+        return self.clients[0].learners
+
+    @property
     def welcome(self) -> dict[str, Any]:
         """Shard 0's WELCOME (every shard runs the same settings: :meth:`connect` checks)."""
         return self.clients[0].welcome
@@ -507,7 +572,14 @@ class ShardedClient:
         return self._combine(await _all(c.pull(n) for c, n in zip(self.clients, self._per_shard(newer_than))))
 
     async def _to_every_shard(
-        self, method: str, grad: Gradient, timestamp: Stamp, step: int, samples: int, loss: float | None
+        self,
+        method: str,
+        grad: Gradient,
+        timestamp: Stamp,
+        step: int,
+        samples: int,
+        loss: float | None,
+        lr: Sequence[float] | None,
     ) -> list[Any]:
         """Call ``Client.<method>`` on every shard with its part of ``grad`` and its own stamp
         (the loss goes to shard 0 only, for its loss curve). A gradient of the wrong length is
@@ -520,14 +592,20 @@ class ShardedClient:
                 code="bad_shape",
             )
         return await _all(
-            getattr(c, method)(gradient_segments(parts, *c.range), t, step, samples, loss if i == 0 else None)
+            getattr(c, method)(gradient_segments(parts, *c.range), t, step, samples, loss if i == 0 else None, lr)
             for i, (c, t) in enumerate(zip(self.clients, self._per_shard(timestamp)))
         )
 
     async def push(
-        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self,
+        grad: Gradient,
+        timestamp: Stamp,
+        step: int = 0,
+        samples: int = 0,
+        loss: float | None = None,
+        lr: Sequence[float] | None = None,
     ) -> Ack:
-        acks = await self._to_every_shard("push", grad, timestamp, step, samples, loss)
+        acks = await self._to_every_shard("push", grad, timestamp, step, samples, loss, lr)
         statuses = {a.status for a in acks}
         status = "applied" if statuses == {"applied"} else "dropped" if "dropped" in statuses else "pending"
         staleness = [a.staleness for a in acks if a.staleness is not None]
@@ -539,9 +617,19 @@ class ShardedClient:
         )
 
     async def push_pull(
-        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self,
+        grad: Gradient,
+        timestamp: Stamp,
+        step: int = 0,
+        samples: int = 0,
+        loss: float | None = None,
+        lr: Sequence[float] | None = None,
     ) -> Weights:
-        return self._combine(await self._to_every_shard("push_pull", grad, timestamp, step, samples, loss))
+        return self._combine(await self._to_every_shard("push_pull", grad, timestamp, step, samples, loss, lr))
+
+    async def exchange_state(self, arrays: Sequence[np.ndarray], *, every: bool, reply: bool) -> list[np.ndarray]:
+        """Shard 0 keeps the model's frozen parameters and buffers (:meth:`Client.exchange_state`)."""
+        return await self.clients[0].exchange_state(arrays, every=every, reply=reply)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
@@ -574,17 +662,37 @@ class SyncClient:
     (:func:`~rudra_async.eventloop.run_sync`), so a round trip costs what the asyncio client's
     does; otherwise it drives the asyncio client on a private event loop (uvloop when available)."""
 
-    def __init__(self, url: str, layout: Layout, initial: np.ndarray | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, url: str, layout: Layout, initial: np.ndarray | None = None, *, wait: float = 0.0, **kwargs: Any
+    ) -> None:
+        """``wait``: seconds to keep trying while nothing answers at ``url`` (a server not up
+        yet: :class:`~rudra_async.errors.Unreachable`); other failures are raised at once.
+        ``kwargs``: :meth:`Client.connect`'s."""
         self._loop: PrivateLoop | None = None
         self._run: Callable[[Coroutine[Any, Any, Any]], Any] = run_sync
         self._closed = False
         self._pulled = False  # whether weights have come whole into the buffer (a reconnect's seed)
         self._connect_args = (url, layout, initial, kwargs)
         try:
-            self._client = self._connect()
+            self._client = self._connect_within(wait)
         except BaseException:
             self._close_loop()
             raise
+
+    def _connect_within(self, wait: float, retry_every: float = 0.25) -> Client | ShardedClient:
+        """:meth:`_connect`, again while the server is :class:`~rudra_async.errors.Unreachable`,
+        for up to ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self._connect()
+            except Unreachable as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                if left + retry_every >= wait:  # said once, at the first failure
+                    log.info("%s; waiting for the server for up to %g s", exc, wait)
+                time.sleep(min(retry_every, left))
 
     def reconnect(self, within: float, retry_every: float = 0.5) -> Weights:
         """After losing the server: connect, say hello and pull again, retrying until
@@ -593,11 +701,11 @@ class SyncClient:
         learner's initial ones in the new hello: a server restarted without a checkpoint (a
         shard of a group, say) goes on from the weights the learner last had (if the server
         was lost while they came, partly the ones before), not from the run's first ones.
-        The learner id may change."""
+        The learner id may change; the learner asks for its index again."""
         buffer = self._client.weights
-        if self._pulled:
-            url, layout, _, kwargs = self._connect_args
-            self._connect_args = (url, layout, buffer.copy(), kwargs)
+        url, layout, initial, kwargs = self._connect_args
+        kwargs = {**kwargs, "index": self._client.index}  # the same part of the data, if still free
+        self._connect_args = (url, layout, buffer.copy() if self._pulled else initial, kwargs)
         self._call(self._client.close())
         deadline = time.monotonic() + within
         while True:
@@ -661,16 +769,45 @@ class SyncClient:
         self._pulled = True
         return weights
 
-    def push(self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None) -> Ack:
-        ack: Ack = self._call(self._client.push(grad, timestamp, step, samples, loss))
+    def push(
+        self,
+        grad: Gradient,
+        timestamp: Stamp,
+        step: int = 0,
+        samples: int = 0,
+        loss: float | None = None,
+        lr: Sequence[float] | None = None,
+    ) -> Ack:
+        ack: Ack = self._call(self._client.push(grad, timestamp, step, samples, loss, lr))
         return ack
 
     def push_pull(
-        self, grad: Gradient, timestamp: Stamp, step: int = 0, samples: int = 0, loss: float | None = None
+        self,
+        grad: Gradient,
+        timestamp: Stamp,
+        step: int = 0,
+        samples: int = 0,
+        loss: float | None = None,
+        lr: Sequence[float] | None = None,
     ) -> Weights:
-        weights: Weights = self._call(self._client.push_pull(grad, timestamp, step, samples, loss))
+        weights: Weights = self._call(self._client.push_pull(grad, timestamp, step, samples, loss, lr))
         self._pulled = True
         return weights
+
+    def exchange_state(self, arrays: Sequence[np.ndarray], *, every: bool, reply: bool) -> list[np.ndarray]:
+        """See :meth:`Client.exchange_state`."""
+        values: list[np.ndarray] = self._call(self._client.exchange_state(arrays, every=every, reply=reply))
+        return values
+
+    @property
+    def index(self) -> int:
+        """This learner's index (its part of the data), as the server assigned it."""
+        return self._client.index
+
+    @property
+    def learners(self) -> int:
+        """λ as the server last said (WELCOME, then every WEIGHTS): how many parts the data has."""
+        return self._client.learners
 
     def _call(self, request: Coroutine[Any, Any, T]) -> T:
         """Run one of the client's coroutines; ConnectionClosed once this client is closed."""

@@ -86,8 +86,9 @@ class ServerConfig:
     weight_decay: float = setting(0.0, "L2 weight decay (torch.optim.SGD's).", low=0)
     nesterov: bool = setting(False, "Nesterov momentum.")
     lr_policy: str = setting(
-        "constant",
-        "constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | "
+        "compensated",
+        "compensated (the momentum asynchrony adds taken out, and a warm-up: trains a one-process recipe as it "
+        "was, docs/protocols.md) | constant | staleness (α0/σ) | staleness-plus-one (α0/(σ+1)) | "
         "mean-staleness (α0/⟨σ⟩) | a plugin's name | module:Class.",
     )
     mean_staleness_window: int = setting(
@@ -105,6 +106,12 @@ class ServerConfig:
     lr_scale_ref_batch: int | None = setting(None, "Linear scaling rule: α × (samples per update)/this.", low=1)
     samples_per_epoch: int | None = setting(None, "Training-set size, for epoch-based LR decay.", low=1)
     max_updates: int | None = setting(None, "End the run after this many updates.", low=1)
+    expected_learners: int | None = setting(
+        None,
+        "How many learners the run has (λ), for sharding data: learners get indices 0..λ-1 and each its "
+        "1/λ of the data (default: the learners registered at the time).",
+        low=1,
+    )
     max_frame: int = setting(DEFAULT_MAX_BODY, "Largest frame body accepted, in bytes.", low=1024, metavar="BYTES")
     max_model_bytes: int = setting(
         1 << 32,
@@ -365,7 +372,13 @@ class TrainConfig:
     processes. The run sets the servers' :data:`SET_BY_RUN` settings itself."""
 
     #: settings of the nested configurations that a run decides itself (not flags of ``train``)
-    SET_BY_RUN: ClassVar[tuple[str, ...]] = (*ServerConfig.PER_SERVER, "max_updates", "samples_per_epoch", "steps")
+    SET_BY_RUN: ClassVar[tuple[str, ...]] = (
+        *ServerConfig.PER_SERVER,
+        "max_updates",
+        "samples_per_epoch",
+        "steps",
+        "expected_learners",
+    )
 
     learners: int = setting(4, "Number of learner processes λ.", short="-l", low=1)
     epochs: float = setting(30.0, "Passes over the training set, all learners together.", above=0)
@@ -405,6 +418,7 @@ class TrainConfig:
             self.server.for_shard(shard, listen),
             max_updates=self.updates,
             samples_per_epoch=self.server.samples_per_epoch or n_train,
+            expected_learners=self.learners,
         )
 
     def listen_url(self) -> str:
@@ -451,7 +465,7 @@ class LaunchConfig:
     learner: LearnerOptions = section(LearnerOptions)
 
     #: settings of the nested configurations that a launch decides itself (per rank)
-    SET_BY_RUN: ClassVar[tuple[str, ...]] = (*ServerConfig.PER_SERVER, "samples_per_epoch")
+    SET_BY_RUN: ClassVar[tuple[str, ...]] = (*ServerConfig.PER_SERVER, "samples_per_epoch", "expected_learners")
 
     def validate(self) -> LaunchConfig:
         """The settings alone; the rank, world size and rendezvous directory are checked when

@@ -24,7 +24,9 @@ __all__ = [
     "RemoteError",
     "RequestError",
     "RudraError",
+    "RunOver",
     "TransportError",
+    "Unreachable",
     "UpdateFailed",
     "WireError",
 ]
@@ -129,6 +131,13 @@ class ConnectError(TransportError):
     code = "connect"
 
 
+class Unreachable(ConnectError):
+    """Nothing answered at the address (connection refused, no such name, no answer within
+    the timeout): the server may not be up yet."""
+
+    code = "unreachable"
+
+
 class CheckpointError(RudraError):
     """A checkpoint cannot be written, or a file is not a complete, intact checkpoint."""
 
@@ -147,6 +156,12 @@ class LearnerError(RudraError):
     does not fit (a parameter without a gradient, a loss that is not a scalar, ...)."""
 
     code = "learner"
+
+
+class RunOver(LearnerError):
+    """A training step after the server's run ended (``step()`` had returned False)."""
+
+    code = "run_over"
 
 
 class RemoteError(RudraError):

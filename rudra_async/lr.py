@@ -17,6 +17,7 @@ from .errors import ConfigError, quoted
 from .schema import all_counts, is_count
 
 __all__ = [
+    "Compensated",
     "Constant",
     "LRPolicy",
     "MeanStaleness",
@@ -27,7 +28,10 @@ __all__ = [
 
 
 class LRPolicy:
-    """Per-gradient factor from staleness. ``observe`` sees every applied gradient's σ first."""
+    """Per-gradient factor from staleness. ``observe`` sees every applied gradient's σ first.
+
+    A policy may also set the update's momentum (:meth:`momentum`) and scale its rate
+    (:meth:`rate_factor`); both are asked after the update's σ are observed."""
 
     name = "?"
 
@@ -36,6 +40,14 @@ class LRPolicy:
 
     def factor(self, sigma: int) -> float:
         raise NotImplementedError
+
+    def momentum(self, beta: float) -> float:
+        """The momentum of this update, from the configured β (default: β)."""
+        return beta
+
+    def rate_factor(self, clock: int) -> float:
+        """A factor of this update's rate η_t (default 1)."""
+        return 1.0
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of this policy (JSON-like values); empty if stateless."""
@@ -141,6 +153,48 @@ class MeanStaleness(LRPolicy):
 
     def factor(self, sigma: int) -> float:
         return 1.0 / max(1.0, self.mean)
+
+
+class Compensated(LRPolicy):
+    """The default: a run tuned for one process trains as it did, asynchronously. Asynchrony
+    adds momentum of its own (Mitliagkas et al. 2016), and with the configured momentum it
+    makes a stale update overshoot; so, with ⟨σ⟩ the mean of the last :data:`WINDOW`
+    observed σ (this update's included):
+
+    - momentum β_t = 1 − (1 − β)(⟨σ⟩ + 1), at least 0 (β itself at ⟨σ⟩ = 0): momentum's
+      time constant 1/(1 − β) shrinks by ⟨σ⟩ + 1, so its long-run step η/(1 − β_t) by as much;
+    - a warm-up while staleness first appears: η_t × min(1, (t + 1)/(:data:`WARMUP` · ⟨σ⟩))
+      at clock t (1 at ⟨σ⟩ = 0);
+    - f(σ) = 1.
+
+    Without staleness (hardsync, one learner) it is ``constant`` exactly."""
+
+    name = "compensated"
+    WINDOW = 128  # observed σ the mean is taken over
+    WARMUP = 64  # updates of warm-up per unit of mean staleness
+
+    def __init__(self) -> None:
+        self._staleness = MeanStaleness(self.WINDOW)
+
+    def observe(self, sigma: int) -> None:
+        self._staleness.observe(sigma)
+
+    def factor(self, sigma: int) -> float:
+        return 1.0
+
+    def momentum(self, beta: float) -> float:
+        mean = self._staleness.mean
+        return beta if mean == 0 else max(0.0, 1.0 - (1.0 - beta) * (mean + 1.0))
+
+    def rate_factor(self, clock: int) -> float:
+        mean = self._staleness.mean
+        return 1.0 if mean == 0 else min(1.0, (clock + 1) / (self.WARMUP * mean))
+
+    def state(self) -> dict[str, Any]:
+        return self._staleness.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._staleness.load_state(state)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ PROTOCOLS = {
     "backup": "rudra_async.sync:Backup",
 }
 LR_POLICIES = {
+    "compensated": "rudra_async.lr:Compensated",
     "constant": "rudra_async.lr:Constant",
     "staleness": "rudra_async.lr:Staleness",
     "staleness-plus-one": "rudra_async.lr:StalenessPlusOne",

@@ -14,6 +14,7 @@ and keep their own codes.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -45,6 +46,7 @@ def all_counts(values: list[Any]) -> bool:
 
 MAX_NAME = 256  # characters of a learner's name
 MAX_SAMPLES = 2**32  # examples behind one gradient
+MAX_INDEX = 2**32  # a learner index
 MAX_TENSORS = MAX_SEGMENTS  # tensors in a layout: a push may send one segment per tensor
 #: bytes of a request's ``seq`` at most, msgpack-encoded as its reply echoes it (a float
 #: there is a float 64): every reply then fits the metadata limit
@@ -65,14 +67,19 @@ class Field:
     low: int | None = None
     high: int | None = None
     size: tuple[int, int] | None = None  # (min, max) length of a str or bytes; encoded bytes of an any
+    choices: tuple[str, ...] | None = None  # the values a ``str`` may take
 
     def describe_type(self) -> str:
         kind = {
             "layout": "list of `[str, list of int]`",
             "shard": "`[int, int]`",
             "groups": "list of `[int, float, float]`",
+            "state": "list of `[str, str, list of int, str]`",
+            "rates": "list of float or int",
             "number": "float or int",
         }.get(self.kind, self.kind)
+        if self.choices is not None:
+            kind += ": " + " or ".join(f'`"{c}"`' for c in self.choices)
         if self.kind in ("int", "number") and (self.low is not None or self.high is not None):
             kind += " in " + _range(self.low, self.high)
         if self.size is not None:
@@ -158,6 +165,21 @@ FIELDS: dict[MsgType, tuple[Field, ...]] = {
             "that brings the initial weights) sets them; a later HELLO that carries groups must carry the same "
             "(`groups_mismatch`), one without takes the server's. See [protocols.md](protocols.md#parameter-groups).",
         ),
+        Field(
+            "index",
+            "int",
+            "the learner index this learner asks for (its part of the data: see [below](#hello-1-learner--server)); "
+            "absent: the lowest free one",
+            low=0,
+            high=MAX_INDEX,
+        ),
+        Field(
+            "state",
+            "state",
+            "the model's state besides its trained parameters: its frozen parameters and buffers (BatchNorm's "
+            'running statistics, ...), `[name, dtype, shape, kind]` each with `kind` `"frozen"` or `"buffer"`, '
+            f"at most {MAX_TENSORS:,}; see [STATE](#state-14)",
+        ),
         SEQ,
     ),
     MsgType.PUSH: (
@@ -196,6 +218,13 @@ FIELDS: dict[MsgType, tuple[Field, ...]] = {
             'the mini-batch\'s training loss, for `stats()["loss_curve"]`; a NaN or infinity is not recorded',
         ),
         Field("pull", "bool", "answer with WEIGHTS instead of ACK", default=False),
+        Field(
+            "lr",
+            "rates",
+            "one base rate per parameter group (each finite and > 0): from the update that applies this gradient "
+            "on, the groups' α0_G (a learning-rate scheduler's changes; see "
+            "[protocols.md](protocols.md#parameter-groups))",
+        ),
         SEQ,
     ),
     MsgType.PULL: (
@@ -207,6 +236,18 @@ FIELDS: dict[MsgType, tuple[Field, ...]] = {
             low=-1,
             high=INT64_MAX,
         ),
+        SEQ,
+    ),
+    MsgType.STATE: (
+        Field(
+            "tensors",
+            "str",
+            "which of this learner's state tensors the segments carry, in the `state` order of its HELLO: all, or "
+            "only the buffers",
+            default="buffers",
+            choices=("all", "buffers"),
+        ),
+        Field("reply", "bool", "answer with the run's state tensors (all of them)", default=False),
         SEQ,
     ),
     MsgType.BYE: (
@@ -262,6 +303,19 @@ def _check_value(field: Field, value: Any) -> Any:
         if not isinstance(value, str if kind == "str" else bytes):
             raise _bad(field, value)
         if field.size is not None and not field.size[0] <= len(value) <= field.size[1]:
+            raise _bad(field, value)
+        if field.choices is not None and value not in field.choices:
+            raise _bad(field, value)
+        return value
+    if kind == "state":  # the entries' content is the server's to check (model_state.StateLayout)
+        if not isinstance(value, list) or len(value) > MAX_TENSORS or not all(isinstance(v, list) for v in value):
+            raise _bad(field, value)
+        return value
+    if kind == "rates":
+        ok = isinstance(value, list) and 0 < len(value) <= MAX_TENSORS
+        if not ok or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+            raise _bad(field, value)
+        if not all(math.isfinite(x) and x > 0 for x in value):
             raise _bad(field, value)
         return value
     if kind == "layout":

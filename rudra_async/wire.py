@@ -93,6 +93,7 @@ class MsgType(enum.IntEnum):
     CHALLENGE = 11  # server → learner: the server's nonce and proof
     PROOF = 12  # learner → server: the learner's proof
     AUTHENTICATED = 13  # server → learner: the proof was right
+    STATE = 14  # both: the model's frozen parameters and buffers (learner: its own; server: the run's)
 
 
 @dataclass(frozen=True)

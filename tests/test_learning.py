@@ -1,5 +1,6 @@
 """The paper's central finding on digits with real learner processes (λ = 8, μ = 8):
-with a fixed α0, 8-softsync (⟨σ⟩ ≈ 6) fails to train; with α0/σ it matches hardsync."""
+with a fixed α0 (``--lr-policy constant``), 8-softsync (⟨σ⟩ ≈ 6) fails to train; with
+α0/σ it matches hardsync."""
 
 import json
 
@@ -15,7 +16,7 @@ def train(tmp_path, name, *args):
 
 def test_staleness_aware_lr_rescues_8_softsync(tmp_path):
     hard = train(tmp_path, "hard", "--protocol", "hardsync")
-    soft_const = train(tmp_path, "const", "--protocol", "softsync", "--n", "8")
+    soft_const = train(tmp_path, "const", "--protocol", "softsync", "--n", "8", "--lr-policy", "constant")
     soft_stale = train(tmp_path, "stale", "--protocol", "softsync", "--n", "8", "--lr-policy", "staleness")
     summary = {
         k: (round(r["test_accuracy"], 4), round(r["staleness_mean"], 2))

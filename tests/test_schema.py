@@ -26,6 +26,8 @@ WRONG_TYPE = {
     "layout": ["x", [["w"]], [[1, [2]]], [["w", ["a"]]], [["w", 3]]],
     "shard": ["0/1", [1], [2, 2], [0, 1.0], [-1, 1]],
     "groups": ["x", [], [[1, 0.1]], [[1.5, 0.1, 0.0]], [[1, "fast", 0.0]], [[1, 0.1, True]]],
+    "state": ["x", ["w"], [1, 2]],
+    "rates": ["x", [], [0.1, "fast"], [0.0], [-0.1], [float("inf")], [True]],
     "any": [],
 }
 
@@ -41,6 +43,8 @@ def out_of_range(field):
         lo, hi = field.size
         long = ("x" if field.kind == "str" else b"x") * (hi + 1)
         return [long] + ([b"x" * (lo - 1)] if field.kind == "bytes" and lo else [])
+    if field.choices is not None:
+        return ["none of " + "/".join(field.choices)]
     return []
 
 
@@ -51,6 +55,7 @@ def valid_meta(msg_type):
         MsgType.HELLO: {"layout": LAYOUT.to_wire(), "name": "t"},
         MsgType.PUSH: {"timestamp": 0},
         MsgType.PULL: {},
+        MsgType.STATE: {},
         MsgType.BYE: {},
     }[msg_type]
 
@@ -97,7 +102,7 @@ async def test_every_field_violation_is_bad_request_naming_the_field(msg_type, n
         if msg_type == MsgType.PROOF:
             writer.write(wire(MsgType.AUTH, {"nonce": security.new_nonce()}))
             assert (await read_frame(reader)).msg_type == MsgType.CHALLENGE
-        if msg_type in (MsgType.PUSH, MsgType.PULL):
+        if msg_type in (MsgType.PUSH, MsgType.PULL, MsgType.STATE):
             writer.write(wire(MsgType.HELLO, valid_meta(MsgType.HELLO), [initial_weights(LAYOUT)]))
             assert (await read_frame(reader)).msg_type == MsgType.WELCOME
         arrays = {MsgType.PUSH: [np.zeros(LAYOUT.size, np.float32)], MsgType.HELLO: [initial_weights(LAYOUT)]}

@@ -173,15 +173,16 @@ def test_an_unused_layer_and_a_mismatched_optimizer_are_clear_errors():
 def test_the_server_applies_exactly_the_gradients_backward_computed(overlap, zeroing):
     """Each tensor's .grad goes out as it is; with overlap the exchange (slowed here) still
     holds step t's gradients while step t+1's backward runs, however the user zeroes
-    gradients. Async with one learner applies the pushes in order, so the server's weights
-    are SGD replayed on the gradients recorded at each step."""
+    gradients. Async with one learner and a constant rate applies the pushes in order, so
+    the server's weights are SGD replayed on the gradients recorded at each step (overlap
+    makes them stale: the default policy, compensated, would take momentum out)."""
     torch.manual_seed(0)
     x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
     model = net()
     trained = [p for p in model.parameters() if p.requires_grad]
     torch_opt = torch.optim.SGD(trained, lr=0.1, momentum=0.9)
     recorded = []
-    with server_thread(protocol="async", lr=0.1, momentum=0.9, kernel="numpy") as ps:
+    with server_thread(protocol="async", lr=0.1, momentum=0.9, kernel="numpy", lr_policy="constant") as ps:
         with rt.DistributedOptimizer(model, ps.addresses[0], optimizer=torch_opt, overlap=overlap) as opt:
             replay = [p.detach().clone() for p in trained]  # the initial weights
             exchange = opt.client.push_pull

@@ -1,30 +1,40 @@
 """Train your own PyTorch model on a rudra-async server, as with Horovod's or BytePS's
 ``DistributedOptimizer``: build the model, loss and data as usual, then::
 
-    opt = DistributedOptimizer(model, "tcp://server:7000", optimizer=torch.optim.SGD(...))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = DistributedOptimizer(model, "tcp://server:7000", optimizer=optimizer)
+    loader = DataLoader(train_set, batch_size=32, sampler=ShardSampler(train_set))  # this learner's part
     for x, y in loader:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        if not opt.step(loss=loss, samples=len(x)):   # push the gradient, pull the next weights
-            break                                       # the server's run is over
-    opt.close()
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if not optimizer.step(loss=loss, samples=len(x)):  # push the gradient, pull the next weights
+            break                                          # the server's run is over
+    optimizer.close()
 
-The server applies the update (docs/protocols.md): the optimizer given here only declares
-the parameter groups (lr, weight decay) and is checked against the server's momentum and
-nesterov; its own ``step()`` is never called.
+The server applies the update (docs/protocols.md): the optimizer given here declares the
+parameter groups (lr, weight decay) and is checked against the server's momentum and
+nesterov; its own ``step()`` is never called. The wrapper *is* a ``torch.optim.Optimizer``
+over the same parameter groups (the same dicts as the optimizer given): a learning-rate
+scheduler made on either changes ``param_groups[i]["lr"]``, and ``step()`` sends the new
+rates to the server with its next gradient (a push's ``lr``); ``state_dict()`` and
+``load_state_dict()`` are torch's, so the usual checkpoint of model and optimizer works.
 
 **What is sent.** Every parameter with ``requires_grad`` is trained on the server, in the
 order of the optimizer's parameter groups (or of ``model.named_parameters()`` without an
-optimizer). Frozen parameters (``requires_grad=False``) never leave the learner and keep
-their local values. **Buffers** (BatchNorm's running statistics, ...) are not sent either:
-each learner keeps its own, updated by its own forward passes on its own data, as DDP does
-with ``broadcast_buffers=False``; evaluate with the buffers of one learner, or recompute them.
+optimizer). Frozen parameters (``requires_grad=False``) and buffers (BatchNorm's running
+statistics, ...) are the model's *state*: the first learner's values become the run's and
+every learner starts from the run's (a learner whose frozen parameters differ is told and
+takes the run's); each learner's buffers change with its own forward passes, and it reports
+them to the server every ``state_every`` steps and when it closes. The server combines the
+reports (docs/protocols.md#the-models-state) and keeps the result in its checkpoint, so
+``rudra-async evaluate --model`` reproduces the trained model whole.
 
 **Overlap** (the paper's "adv*"): with ``overlap=True`` the push and pull of step t run in
 a background thread while step t+1 computes on the weights already at hand; each gradient is
 then one more update stale. The weights are double-buffered and the exchange keeps the
 gradient tensors it sends (the parameters' ``.grad`` is None after such a step; zero for a
-model on a device), so nothing is copied. A gradient the server refuses is raised by the
+model on a device), so nothing is copied. A gradient the server refused is raised by the
 next step(), once.
 """
 
@@ -33,18 +43,22 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import operator
+import os
 import ssl
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 
+from .. import security
 from ..client import Gradient, Stamp, SyncClient, Weights, went_back
-from ..errors import LearnerError, RemoteError, TransportError, quoted
+from ..errors import LearnerError, RemoteError, RunOver, TransportError, quoted
 from ..sync import overlap_breaks
+from . import sampler
 from .binding import FlatParameters, sparse_gradients
+from .state import ModelState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,7 +89,8 @@ def trainable_parameters(
             raise LearnerError("the optimizer holds parameters that are not the model's")
         if params:
             ordered += [(names[id(p)], p) for p in params]
-            groups.append([len(params), float(group["lr"]), float(group["weight_decay"])])
+            base = group.get("initial_lr", group["lr"])  # a scheduler's base rate: what the run started from
+            groups.append([len(params), float(base), float(group["weight_decay"])])
     left_out = [n for n, p in trainable if id(p) not in {id(q) for _, q in ordered}]
     if left_out:
         raise LearnerError(f"parameter(s) {', '.join(left_out)} require grad but are in no group of the optimizer")
@@ -128,17 +143,46 @@ def as_loss(loss: Any) -> float | None:
         raise LearnerError(f"loss must be a number or a one-value tensor, got {shown}") from None
 
 
-class DistributedOptimizer:
+#: the settings of a parameter group that the server fixes when the run starts
+FIXED = ("momentum", "nesterov", "weight_decay", "dampening")
+
+
+def set_threads(threads: int | Literal["auto"] | None, learners: int, url: str) -> None:
+    """torch's CPU threads for a learner: ``threads`` if a number; None: as they are;
+    ``"auto"``: where the server is on this host (a loopback or shm address) and nobody set
+    ``OMP_NUM_THREADS``, the cores this process may use divided among the run's λ learners
+    (never more than torch has now): learners sharing a host must not each take every core."""
+    if threads is None:
+        return
+    if threads != "auto":
+        torch.set_num_threads(max(1, int(threads)))
+        return
+    if "OMP_NUM_THREADS" in os.environ or not all(security.is_loopback(u) for u in url.split(",")):
+        return
+    share = max(1, len(os.sched_getaffinity(0)) // max(1, learners))
+    if share < torch.get_num_threads():
+        log.info("%d learners share this host: %d torch thread(s) each (threads= sets another number)", learners, share)
+        torch.set_num_threads(share)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
     """One learner: ``model`` trained on the server(s) at ``server``.
 
     ``server``: an address (``tcp://host:port``, ``shm://name``, ...), or every shard's, as a
     list or comma-separated, in shard order. ``optimizer``: a ``torch.optim.SGD`` whose
     parameter groups (lr, weight decay) the server uses. ``reconnect``: seconds to keep
-    trying to reach a lost server (0: raise at once). ``overlap``: push/pull in the
-    background (see the module docstring). ``secret``: the server's shared secret (default:
-    ``RUDRA_ASYNC_SECRET``); ``tls``: an ``ssl.SSLContext`` for a TLS server
-    (:func:`rudra_async.security.client_tls`). Errors are the client's (``RemoteError``,
-    ``TransportError``, ...) and :class:`~rudra_async.errors.LearnerError`.
+    trying to reach a server that is not up yet or was lost (0: raise at once).
+    ``overlap``: push/pull in the background (see the module docstring). ``secret``: the
+    server's shared secret (default: ``RUDRA_ASYNC_SECRET``); ``tls``: an ``ssl.SSLContext``
+    for a TLS server (:func:`rudra_async.security.client_tls`). ``index``: the learner index
+    to ask the server for (default: the lowest free one). ``threads``: see :func:`set_threads`.
+    ``state_every``: report the model's buffers every this many steps (and at :meth:`close`).
+
+    After connecting, :attr:`index` and :attr:`learners` (λ) say which part of the data is
+    this learner's (:class:`~rudra_async.learner.sampler.ShardSampler` takes it). Errors are
+    the client's (``RemoteError``, ``TransportError``, ...) and
+    :class:`~rudra_async.errors.LearnerError`; a ``step()`` after the one that said the run
+    is over raises :class:`~rudra_async.errors.RunOver`.
     """
 
     def __init__(
@@ -153,15 +197,22 @@ class DistributedOptimizer:
         overlap: bool = False,
         secret: bytes | str | None = None,
         tls: ssl.SSLContext | None = None,
+        index: int | None = None,
+        threads: int | Literal["auto"] | None = "auto",
+        state_every: int = 50,
     ) -> None:
         named, groups = trainable_parameters(model, optimizer)
         refuse_sparse(model, named)
         self.model = model
         self.flat = FlatParameters(named)
+        self.model_state = ModelState(model, [p for _, p in named])
         self.reconnect = reconnect
+        self.state_every = max(1, state_every)
         self.steps = 0  # step() calls
         self.pushes = 0  # gradients the server accepted (not refused because the run was over)
         self.reconnects = 0
+        self.stopped = False
+        self._said_over = False  # step() returned False because the run is over
         self._url = server if isinstance(server, str) else ",".join(server)
         # All client calls run in one thread: this one, or the background one when overlapping.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "rudra-exchange") if overlap else None
@@ -175,45 +226,124 @@ class DistributedOptimizer:
                     self._url,
                     self.flat.layout,
                     self.flat.host_weights,
+                    wait=reconnect,
                     name=name,
                     timeout=timeout,
                     groups=groups,
                     secret=secret,
                     tls=tls,
+                    index=index,
+                    state=self.model_state.layout if self.model_state else None,
                 )
             )
-            check_optimizer(optimizer, self.client.welcome)
-            if overlap and (why := overlap_breaks(self.client.welcome)) is not None:
+            welcome = self.client.welcome
+            check_optimizer(optimizer, welcome)
+            if overlap and (why := overlap_breaks(welcome)) is not None:
                 raise LearnerError(f"overlap=True cannot train on this server: {why}")
+            set_threads(threads, self.client.learners, self._url)
+            self._take_run_state()
             self.client.set_weights_buffer(self.flat.host_weights)  # pulled weights land in the model (CPU)
             self._arrived(self._call(self.client.pull))
         except BaseException:
             self.close()
             raise
+        params = [p for _, p in named]
+        if optimizer is not None:
+            super().__init__(optimizer.param_groups, optimizer.defaults)  # the very same group dicts
+        else:
+            super().__init__(_server_groups(params, welcome), {})
+        self._fixed = [{k: g.get(k) for k in FIXED} for g in self.param_groups]
+        self._sent_lr: list[float] | None = [float(g[1]) for g in groups] if groups else list(welcome["lr"])
+        sampler.register(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, keeping the parameter-group dicts (shared with the optimizer given and the
+        schedulers made on either): their values are replaced by the loaded ones."""
+        groups = self.param_groups
+        super().load_state_dict(state_dict)
+        for mine, loaded in zip(groups, self.param_groups):
+            mine.update({k: v for k, v in loaded.items() if k != "params"})
+        self.param_groups = groups
+
+    # -- what the learner is -------------------------------------------------------------------
+    @property
+    def index(self) -> int:
+        """This learner's index among the run's learners (its part of the data)."""
+        return self.client.index
+
+    @property
+    def learners(self) -> int:
+        """λ, the run's learners (as the server last said): how many parts the data has."""
+        return self.client.learners
+
+    @property
+    def learner_id(self) -> int:
+        return self.client.learner_id
 
     # -- the training step ----------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        """Zero the gradients (use this, or a torch optimizer's ``zero_grad``: both work)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients for the next backward (on the CPU ``.grad = None``, as torch's
+        ``zero_grad`` does; on a device, the bound flat gradient is zeroed)."""
         self.flat.zero_grad()
 
-    def step(self, loss: float | torch.Tensor | None = None, samples: int = 0) -> bool:
+    def step(  # type: ignore[override]
+        self, loss: float | torch.Tensor | Callable[[], Any] | None = None, samples: int = 0
+    ) -> bool:
         """Push the gradient of the last backward pass, stamped with the weights it was
         computed on, and bring the next weights into the model. ``samples``: the mini-batch
         size, an integer >= 0 (the server's linear scaling rule and epoch schedule use it);
-        ``loss``: a number or a one-value tensor, reported for the server's loss curve.
-        Returns False once the server's run is over. With overlap, a gradient the server
-        refused is raised (once) by the next step(), which then sends nothing."""
+        ``loss``: a number or a one-value tensor, reported for the server's loss curve (or a
+        closure that computes it, as torch's ``step(closure)``). Learning rates changed in
+        :attr:`param_groups` (by a scheduler) go to the server with this gradient.
+
+        Returns False once the server's run is over (the step whose reply said so); a step()
+        after that raises :class:`~rudra_async.errors.RunOver`. With overlap, a gradient the
+        server refused is raised (once) by the next step(), which then sends nothing."""
+        if callable(loss):
+            with torch.enable_grad():
+                loss = loss()
         count, value = as_samples(samples), as_loss(loss)
         if self.stopped:
+            if self._said_over:
+                raise RunOver(
+                    "the server's run is over (it reached its --max-updates): step() returned False at the end; "
+                    "leave the training loop then (if not optimizer.step(...): break)"
+                )
+            self._said_over = True
             return False
+        lr = self._new_rates()
         stamp, step = self.timestamp, self.steps
         self.steps += 1
         if self._worker is None:
-            self._arrived(self._exchange(self.flat.gradients(), stamp, step, count, value))
-            return not self.stopped
-        return self._overlapped_step(stamp, step, count, value)
+            self._arrived(self._exchange(self.flat.gradients(), stamp, step, count, value, lr))
+        else:
+            self._overlapped_step(stamp, step, count, value, lr)
+        if self.steps % self.state_every == 0 and not self.stopped:
+            self._report_buffers()
+        self._said_over = self.stopped
+        return not self.stopped
 
-    def _overlapped_step(self, stamp: Stamp, step: int, samples: int, loss: float | None) -> bool:
+    def _new_rates(self) -> list[float] | None:
+        """The groups' learning rates when they changed since they last went to the server
+        (None otherwise); a change of what the server fixes at the start is a LearnerError."""
+        for i, (group, fixed) in enumerate(zip(self.param_groups, self._fixed)):
+            for key, value in fixed.items():
+                if group.get(key) != value:
+                    raise LearnerError(
+                        f"param_groups[{i}][{key!r}] changed from {value} to {group.get(key)}: the server fixes it "
+                        "when the run starts (only 'lr' may change, e.g. by a scheduler)"
+                    )
+        rates = [float(group["lr"]) for group in self.param_groups]
+        if rates == self._sent_lr:
+            return None
+        if not all(r > 0 and r < float("inf") for r in rates):
+            raise LearnerError(f"learning rates must be finite and > 0, got {rates}")
+        self._sent_lr = rates
+        return rates
+
+    def _overlapped_step(
+        self, stamp: Stamp, step: int, samples: int, loss: float | None, lr: list[float] | None
+    ) -> None:
         """Wait for the previous exchange, give the model the weights it brought, and start this
         step's exchange with the gradient just computed. On the CPU the model and the exchange
         use alternate weights buffers and the exchange keeps the gradient tensors, which the
@@ -237,11 +367,10 @@ class DistributedOptimizer:
             # (restarted, or resumed at an earlier clock): this gradient was computed on the lost
             # server's weights and is lost with it, as the one in flight was; the model goes on
             # from the new weights, as on the first step.
-            return not self.stopped
+            return
         receive_into = self.flat.host_weights if self._spare is None else self._spare.numpy()
         self._reconnects_sent = self.reconnects
-        self._pending = self._worker.submit(self._send_from, grads, receive_into, stamp, step, samples, loss)
-        return True
+        self._pending = self._worker.submit(self._send_from, grads, receive_into, stamp, step, samples, loss, lr)
 
     def _last_exchange(self) -> Weights | None:
         """Wait for the exchange in flight: what it brought (the caller forgets it once taken),
@@ -270,36 +399,69 @@ class DistributedOptimizer:
         self._arrived(received, wait=True)
 
     def _send_from(
-        self, grads: Gradient, weights_in: np.ndarray, stamp: Stamp, step: int, samples: int, loss: float | None
+        self,
+        grads: Gradient,
+        weights_in: np.ndarray,
+        stamp: Stamp,
+        step: int,
+        samples: int,
+        loss: float | None,
+        lr: list[float] | None,
     ) -> Weights | None:
         self.client.set_weights_buffer(weights_in)
-        return self._exchange(grads, stamp, step, samples, loss)
+        return self._exchange(grads, stamp, step, samples, loss, lr)
 
-    def _exchange(self, grads: Gradient, stamp: Stamp, step: int, samples: int, loss: float | None) -> Weights | None:
+    def _exchange(
+        self, grads: Gradient, stamp: Stamp, step: int, samples: int, loss: float | None, lr: list[float] | None
+    ) -> Weights | None:
         """push+pull, surviving a lost server for ``reconnect`` seconds (the gradient is then
         lost). None: the push was refused because the run is over, and no weights came."""
         try:
-            weights = self.client.push_pull(grads, stamp, step, samples, loss)
+            weights = self.client.push_pull(grads, stamp, step, samples, loss, lr)
             self.pushes += 1
             return weights
         except RemoteError as exc:
             if exc.code == "stopped":
                 return None
-            raise
+            if exc.code != "shutting_down" or not self.reconnect:
+                raise
+            return self._reconnect(exc, stamp)
         except TransportError as exc:
             if not self.reconnect:
                 raise
-            log.warning("lost the server (%s); reconnecting for up to %g s", exc, self.reconnect)
-            weights = self.client.reconnect(self.reconnect)
-            self.reconnects += 1
-            if went_back(weights.timestamp, stamp):
-                if self.client.resumed_from is not None:
-                    log.warning("the server resumed from its checkpoint of update %s (it was at %s; the updates "
-                                "since that checkpoint are lost)", self.client.resumed_from, stamp)  # fmt: skip
-                else:
-                    log.warning("the server's clock went back from %s to %s: it restarted without its checkpoint",
-                                stamp, weights.timestamp)  # fmt: skip
-            return weights
+            return self._reconnect(exc, stamp)
+
+    def _reconnect(self, lost: Exception, stamp: Stamp) -> Weights:
+        """Reach the server again (for up to ``reconnect`` seconds) and take the run's state."""
+        log.warning("lost the server (%s); reconnecting for up to %g s", lost, self.reconnect)
+        weights = self.client.reconnect(self.reconnect)
+        self.reconnects += 1
+        self._sent_lr = None  # the server may have restarted: the next push says the rates again
+        self._take_run_state()
+        if went_back(weights.timestamp, stamp):
+            if self.client.resumed_from is not None:
+                log.warning("the server resumed from its checkpoint of update %s (it was at %s; the updates "
+                            "since that checkpoint are lost)", self.client.resumed_from, stamp)  # fmt: skip
+            else:
+                log.warning("the server's clock went back from %s to %s: it restarted without its checkpoint",
+                            stamp, weights.timestamp)  # fmt: skip
+        return weights
+
+    def _take_run_state(self) -> None:
+        """Send every state tensor (the first learner's become the run's) and take the run's."""
+        if not self.model_state:
+            return
+        values = self.client.exchange_state(self.model_state.values(), every=True, reply=True)
+        differed = self.model_state.load(values)
+        if differed:
+            log.warning(
+                "frozen parameter(s) %s differed from the run's; this learner takes the run's", ", ".join(differed)
+            )
+
+    def _report_buffers(self) -> None:
+        """Tell the server this learner's buffers (it combines them into the run's)."""
+        if self.model_state.has_buffers:
+            self._call(lambda: self.client.exchange_state(self.model_state.buffers(), every=False, reply=False))
 
     def _arrived(self, weights: Weights | None, wait: bool = False) -> None:
         """Note the weights that came (None: none did, the run is over)."""
@@ -315,13 +477,9 @@ class DistributedOptimizer:
         return fn() if self._worker is None else self._worker.submit(fn).result()
 
     # -- life cycle -------------------------------------------------------------------------------
-    @property
-    def learner_id(self) -> int:
-        return self.client.learner_id
-
     def close(self) -> None:
-        """Finish an exchange in flight, say bye and close; the model keeps the newest weights
-        and loses this optimizer's hooks. Idempotent."""
+        """Finish an exchange in flight, report the buffers, say bye and close; the model keeps
+        the newest weights and loses this optimizer's hooks. Idempotent."""
         self.flat.close()
         if self._pending is not None:
             try:
@@ -331,6 +489,10 @@ class DistributedOptimizer:
                 log.warning("the last exchange failed while closing: %s", exc)
         client = getattr(self, "client", None)
         if client is not None:
+            try:
+                self._report_buffers()
+            except Exception as exc:  # the server is gone: closing goes on
+                log.warning("could not report the buffers while closing: %s", exc)
             self._call(client.close)
             del self.client
         if self._worker is not None:
@@ -341,3 +503,22 @@ class DistributedOptimizer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _server_groups(params: list[nn.Parameter], welcome: dict[str, Any]) -> list[dict[str, Any]]:
+    """Parameter groups as the server has them (for a wrapper made without an optimizer):
+    the rates in force, the weight decay, momentum and nesterov."""
+    groups, start = [], 0
+    for (count, _, decay), rate in zip(welcome["groups"], welcome["lr"]):
+        groups.append(
+            {
+                "params": params[start : start + count],
+                "lr": rate,
+                "weight_decay": decay,
+                "momentum": welcome["momentum"],
+                "nesterov": welcome["nesterov"],
+                "dampening": 0,
+            }
+        )
+        start += count
+    return groups

@@ -32,6 +32,7 @@ from ..kernels import SGD, Group, max_abs
 from ..layout import Layout, Shard
 from ..logs import rate_limited
 from ..lr import LRPolicy, Schedule
+from ..model_state import RunState, StateLayout
 from ..sync import Decision, Gradient, SyncProtocol
 from ..transports.base import SharedMemory
 from ..wire import Frame, MsgType
@@ -57,6 +58,7 @@ class LearnerInfo:
     learner_id: int
     name: str
     peer: str
+    index: int = 0  # its learner index (its part of the data), unique among connected learners
     applied: int = 0
     dropped: int = 0
     connected: bool = True
@@ -201,6 +203,9 @@ class ServerCore:
         self.shard: Shard = cfg.shard
         self.layout: Layout | None = None  # the whole model's; the store holds this server's shard of it
         self.groups: tuple[ParamGroup, ...] = ()  # set with the layout
+        self.rates: tuple[float, ...] = ()  # each group's base rate in force (a scheduler's, pushed as `lr`)
+        self.state: RunState | None = None  # frozen parameters and buffers, once a HELLO declares them
+        self.peak = 0  # the most learners registered at once
         self.store: WeightStore | None = None
         self.learners: dict[int, LearnerInfo] = {}
         self.staleness = StalenessHistogram()
@@ -214,7 +219,7 @@ class ServerCore:
         self._departed: collections.deque[int] = collections.deque()
         self._weights_bound = 0.0  # ≥ max |θ| (exact after a check, grows by each update's bound)
         self._momentum_bound = 0.0  # ≥ max |v|
-        self._last_steps: tuple[dict[float, float], Sequence[Group], SGD] | None = None  # see _steps
+        self._last_steps: tuple[tuple[float, ...], Sequence[Group], SGD] | None = None  # see _steps
         self._shared_memory = shared_memory
         self._background = background
         self._on_change, self._on_update, self._on_failure, self._now = on_change, on_update, on_failure, now
@@ -264,9 +269,19 @@ class ServerCore:
             "server": f"rudra-async {__version__}",
             "pid": os.getpid(),
             "groups": [g.to_wire() for g in self.groups],
+            "lr": list(self.rates),
             "momentum": cfg.momentum,
             "nesterov": cfg.nesterov,
+            "index": learner.index,
+            "learners": self.learner_count(),
+            **({"state": self.state.layout.to_wire()} if self.state is not None else {}),
         }
+
+    def learner_count(self) -> int:
+        """λ as learners should shard their data by: ``--expected-learners`` (when set), or the
+        learners connected now, and in any case above every connected learner's index."""
+        indices = [info.index for info in self.learners.values() if info.connected]
+        return max(self.config.expected_learners or len(indices), 1 + max(indices, default=0))
 
     def stats(self, loss_curve: bool = True) -> dict[str, Any]:
         """Statistics for reports and embedding apps (plain JSON-able values). Per learner,
@@ -329,6 +344,9 @@ class ServerCore:
                 f"this server is shard {self.shard}; the learner asked for shard {shard}", code="shard_mismatch"
             )
         groups = parse_groups(fields["groups"], layout) if fields.get("groups") is not None else None
+        state = StateLayout.from_wire(fields["state"]) if "state" in fields else None
+        if state is not None and self.state is not None and (why := self.state.layout.mismatch(state)):
+            raise RequestError(f"the learner's frozen parameters or buffers differ: {why}", code="layout_mismatch")
         if self.store is None:
             self._initialize(layout, arrays, peer, groups)
         elif self.layout is None or layout.to_wire() != self.layout.to_wire():
@@ -339,13 +357,26 @@ class ServerCore:
                 f"{[g.to_wire() for g in self.groups]}",
                 code="groups_mismatch",
             )
-        info = LearnerInfo(self._next_id, fields["name"], peer, last_active=self._now())
+        if state is not None and self.state is None:
+            self.state = RunState(state)
+        index = self._free_index(fields.get("index"))
+        info = LearnerInfo(self._next_id, fields["name"], peer, index, last_active=self._now())
         self._next_id += 1
         self.learners[info.learner_id] = info
+        self.peak = max(self.peak, sum(1 for i in self.learners.values() if i.connected))
         self._decide(self.protocol.join(info.learner_id))
         self._on_change()
         log.info("learner %d (%s) joined from %s", info.learner_id, info.name, peer, extra=learner_extra(info))
         return info
+
+    def _free_index(self, wanted: int | None) -> int:
+        """``wanted`` when no connected learner holds it and it is below ``--expected-learners``
+        (if set), else the lowest index no connected learner holds."""
+        held = {info.index for info in self.learners.values() if info.connected}
+        limit = self.config.expected_learners
+        if wanted is not None and wanted not in held and (limit is None or wanted < limit):
+            return wanted
+        return next(i for i in range(len(held) + 1) if i not in held)
 
     def leave(self, learner: LearnerInfo, clean: bool = True) -> None:
         """The learner's connection ended: with a bye (``clean``), or lost (crash, close).
@@ -462,6 +493,11 @@ class ServerCore:
             raise RequestError(
                 f"learner id {quoted(fields['learner_id'])} is not this connection's", code="bad_request"
             )
+        if "lr" in fields and len(fields["lr"]) != len(self.groups):
+            raise RequestError(
+                f"field 'lr' must list one rate per parameter group ({len(self.groups)}), got {len(fields['lr'])}",
+                code="bad_request",
+            )
         stamp = fields["timestamp"]
         if not 0 <= stamp <= store.clock:
             raise RequestError(f"timestamp {stamp} is outside [0, {store.clock}]", code="bad_timestamp")
@@ -501,6 +537,8 @@ class ServerCore:
                 f"gradient norm {size.norm:.6g} is above the bound {bound:g} (--max-grad-norm)",
                 code="gradient_too_large",
             )
+        if "lr" in fields:  # a scheduler's rates, in force from the next update computed
+            self.rates = tuple(float(r) for r in fields["lr"])
         loss = fields.get("loss")
         if loss is not None and math.isfinite(loss) and len(self.losses) < MAX_LOSSES:
             self.losses.append((self.clock, float(loss)))
@@ -514,6 +552,30 @@ class ServerCore:
         pending.wait_applied = decision.wait_applied
         self._decide(decision)
         return pending
+
+    def receive_state(self, learner: LearnerInfo, meta: dict[str, Any], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """A STATE request: all of the learner's state tensors (the first such request seeds the
+        run's values; later ones are only checked) or its buffers (combined into the run's: see
+        :class:`~rudra_async.model_state.RunState`). Returns the run's values when asked for
+        (``reply``), else nothing. Refused before anything changes."""
+        fields = schema.check(MsgType.STATE, meta)
+        state = self.state
+        if state is None:
+            raise RequestError(
+                "the run has no frozen parameters or buffers: no HELLO declared them (its 'state')", code="no_state"
+            )
+        if fields["tensors"] == "all":
+            state.layout.check_arrays(state.layout.tensors, arrays)
+            if not state.seeded:
+                state.seed(arrays)
+                log.info("frozen parameters and buffers (%d tensors) from %s", len(arrays), learner.name)
+        elif not state.seeded:
+            raise RequestError(
+                "the run's frozen parameters and buffers have no values yet: send all of them first", code="no_state"
+            )
+        else:
+            state.report(learner.learner_id, arrays, self.peak)
+        return list(state.values or []) if fields["reply"] else []
 
     def pulled(self, learner: LearnerInfo, clock: int) -> None:
         """The learner received the weights of ``clock`` and computes on them."""
@@ -540,9 +602,20 @@ class ServerCore:
             "staleness": self.staleness.to_dict(),
             "lr_policy": self.lr_policy.state(),
             "groups": [g.to_wire() for g in self.groups],
+            "rates": list(self.rates),
         }
+        model_state = self.state if self.state is not None and self.state.values is not None else None
         return Checkpoint(
-            layout, clock, weights, store.updater.momentum, self.samples, info, shard=self.shard, state=state
+            layout,
+            clock,
+            weights,
+            store.updater.momentum,
+            self.samples,
+            info,
+            shard=self.shard,
+            state=state,
+            model_state=model_state.layout if model_state else None,
+            model_state_values=list(model_state.values or []) if model_state else [],
         )
 
     def restore(self, ckpt: Checkpoint, source: str = "checkpoint") -> None:
@@ -575,6 +648,9 @@ class ServerCore:
         except (TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{source} has a bad 'state' entry: {exc}") from None
         store = self._create_store(ckpt.layout, ckpt.weights, groups)
+        self.rates = tuple(float(r) for r in ckpt.state.get("rates", self.rates))
+        if ckpt.model_state is not None:
+            self.state = RunState(ckpt.model_state, [a.copy() for a in ckpt.model_state_values])
         store.clock = ckpt.clock
         self.protocol.start_at(ckpt.clock)
         store.updater.load_momentum(ckpt.momentum)
@@ -621,6 +697,7 @@ class ServerCore:
         shared = self._shared_memory
         self.layout = layout
         self.groups = groups or default_groups(layout, self.config.lr, self.config.weight_decay)
+        self.rates = tuple(g.lr for g in self.groups)
         self.store = WeightStore(
             self.shard.layout(layout),
             shard_weights,
@@ -683,8 +760,11 @@ class ServerCore:
         pendings: list[PendingGradient] = [g.payload for g in batch]
         samples = sum(p.samples for p in pendings)
         epoch = self.samples / cfg.samples_per_epoch if cfg.samples_per_epoch else None
-        rate = self.schedule.rate
-        steps, worst = self._steps({g.lr: rate(clock, epoch, samples or None, base=g.lr) for g in self.groups})
+        rate, boost = self.schedule.rate, self.lr_policy.rate_factor(clock)
+        momentum = self.lr_policy.momentum(cfg.momentum) if cfg.momentum else 0.0
+        steps, worst = self._steps(
+            tuple(rate(clock, epoch, samples or None, base=r) * boost for r in self.rates), momentum
+        )
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
         weights_bound, momentum_bound = self._bounds(pendings, scales, worst)  # the largest group's rates bound all
         grads = [p.grad for p in pendings]
@@ -715,18 +795,19 @@ class ServerCore:
                 info.staleness_sum += s
             p.settle("applied", s, release=False)
 
-    def _steps(self, rates: dict[float, float]) -> tuple[Sequence[Group], SGD]:
-        """The kernel's groups for an update whose learning rates are ``rates`` (base rate →
-        this update's rate), and the settings that bound them all (the largest rate and weight
-        decay). The last update's again while its rates were the same (a constant schedule's
-        always): building them costs a small update a few microseconds."""
-        if self._last_steps is None or self._last_steps[0] != rates:
+    def _steps(self, rates: tuple[float, ...], momentum: float) -> tuple[Sequence[Group], SGD]:
+        """The kernel's groups for an update whose learning rates are ``rates`` (one per
+        group) and whose momentum is ``momentum``, and the settings that bound them all (the
+        largest rate and weight decay). The last update's again while its settings were the
+        same (a constant schedule's always): building them costs a small update a few microseconds."""
+        key = (*rates, momentum)
+        if self._last_steps is None or self._last_steps[0] != key:
             layout, cfg = self.layout, self.config
             assert layout is not None, "an update needs the store, so the layout exists"
             span = self.shard.range(layout.size)
-            steps = tuple(steps_for(self.groups, layout, span, rates.__getitem__, cfg.momentum, cfg.nesterov))
+            steps = tuple(steps_for(self.groups, layout, span, rates, momentum, cfg.nesterov))
             lr, decay = max(g.sgd.lr for g in steps), max(g.sgd.weight_decay for g in steps)
-            self._last_steps = (rates, steps, SGD(lr, cfg.momentum, decay, cfg.nesterov))
+            self._last_steps = (key, steps, SGD(lr, momentum, decay, cfg.nesterov))
         return self._last_steps[1], self._last_steps[2]
 
     def _bounds(self, pendings: list[PendingGradient], scales: list[float], sgd: SGD) -> tuple[float, float]:

@@ -8,7 +8,7 @@ HELLO (``groups``); by default there is one group with the server's ``--lr`` and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,18 +69,18 @@ def steps_for(
     groups: Sequence[ParamGroup],
     layout: Layout,
     shard_range: tuple[int, int],
-    rate: Callable[[float], float],
+    rates: Sequence[float],
     momentum: float,
     nesterov: bool,
 ) -> list[Group]:
-    """The kernel's groups for one update of the values ``shard_range`` holds: each group's
-    learning rate is ``rate(group.lr)`` (the schedule applied to that group's base rate)."""
+    """The kernel's groups for one update of the values ``shard_range`` holds: ``rates[i]``
+    is group i's learning rate for this update (the schedule applied to its base rate)."""
     lo, hi = shard_range
     steps, tensor = [], 0
-    for g in groups:
+    for g, rate in zip(groups, rates):
         first, last = layout.tensors[tensor], layout.tensors[tensor + g.tensors - 1]
         tensor += g.tensors
         start, end = max(first.offset, lo), min(last.offset + last.size, hi)
         if start < end:
-            steps.append(Group(start - lo, end - lo, SGD(rate(g.lr), momentum, g.weight_decay, nesterov)))
+            steps.append(Group(start - lo, end - lo, SGD(rate, momentum, g.weight_decay, nesterov)))
     return steps

@@ -113,11 +113,20 @@ class Session:
                     f"body of {header.body_len} bytes: the initial weights may have at most {limit} (--max-model-bytes)",
                     msg_type=header.msg_type,
                 )
-        elif header.body_len > 2 * store.layout.nbytes + BODY_SLACK:
+        elif header.body_len > self._body_limit(header.msg_type, store.layout.nbytes):
             raise FrameTooLarge(
                 f"body of {header.body_len} bytes is far larger than the model ({store.layout.nbytes} bytes)",
                 msg_type=header.msg_type,
             )
+
+    def _body_limit(self, msg_type: int, model_bytes: int) -> int:
+        """The largest body a frame of ``msg_type`` may have once the model exists: twice the
+        model's float32 size (a float64 gradient is still read, to be answered ``bad_dtype``),
+        or for STATE the frozen parameters' and buffers' size, plus :data:`BODY_SLACK`."""
+        state = self.core.state
+        if msg_type == MsgType.STATE and state is not None:
+            return state.layout.nbytes + BODY_SLACK
+        return 2 * model_bytes + BODY_SLACK
 
     # -- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -217,7 +226,7 @@ class Session:
     def _fatal_code(self, exc: WireError) -> str:
         """A frame too large for an unauthenticated peer that is a learner's request means the
         peer does not authenticate: say so rather than ``frame_too_large``."""
-        requests = (MsgType.HELLO, MsgType.PUSH, MsgType.PULL, MsgType.BYE)
+        requests = (MsgType.HELLO, MsgType.PUSH, MsgType.PULL, MsgType.STATE, MsgType.BYE)
         if self.state is State.AUTHENTICATING and isinstance(exc, FrameTooLarge) and exc.msg_type in requests:
             return "auth_required"
         return exc.code
@@ -256,7 +265,7 @@ class Session:
             if self.secret is None:
                 raise RequestError("this server has no secret: it cannot authenticate", code="auth_unavailable")
             raise RequestError("already authenticated", code="bad_request")
-        if frame.msg_type not in (MsgType.HELLO, MsgType.PUSH, MsgType.PULL):
+        if frame.msg_type not in (MsgType.HELLO, MsgType.PUSH, MsgType.PULL, MsgType.STATE):
             raise RequestError(f"unknown message type {frame.msg_type}", code="unknown_type")
         if self.state is State.AWAITING_HELLO:
             raise RequestError("say hello before push or pull", code="not_registered")
@@ -347,6 +356,10 @@ class Session:
     async def _pull(self, frame: Frame) -> None:
         await self._send_weights(frame.meta, newer_than=self._fields(frame)["newer_than"], parked=True)
 
+    async def _state(self, frame: Frame) -> None:
+        values = self.core.receive_state(self._learner(), frame.meta, frame.arrays)
+        await self._reply(MsgType.STATE, {"tensors": len(values)}, frame.meta, values)
+
     # -- replies ------------------------------------------------------------------------------
     def _fields(self, frame: Frame) -> dict[str, Any]:
         """The request's fields, checked against its schema (``bad_request`` naming a field)."""
@@ -380,7 +393,7 @@ class Session:
 
     def _weights_meta(self, clock: int) -> dict[str, Any]:
         """The metadata of a WEIGHTS reply carrying the weights of ``clock``."""
-        return {"timestamp": clock, "stop": self.core.stopped}
+        return {"timestamp": clock, "stop": self.core.stopped, "learners": self.core.learner_count()}
 
     async def _reply(
         self,
@@ -467,6 +480,11 @@ HANDLERS: dict[State, dict[int, Handler]] = {
     State.AUTHENTICATING: {MsgType.AUTH: Session._auth},
     State.CHALLENGED: {MsgType.PROOF: Session._proof},
     State.AWAITING_HELLO: {MsgType.HELLO: Session._hello, MsgType.BYE: Session._bye},
-    State.READY: {MsgType.PUSH: Session._push, MsgType.PULL: Session._pull, MsgType.BYE: Session._bye},
+    State.READY: {
+        MsgType.PUSH: Session._push,
+        MsgType.PULL: Session._pull,
+        MsgType.STATE: Session._state,
+        MsgType.BYE: Session._bye,
+    },
     State.CLOSED: {},
 }

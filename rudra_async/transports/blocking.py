@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConnectError, ConnectionClosed, PeerGone, WireError
+from ..errors import ConnectError, ConnectionClosed, PeerGone, Unreachable, WireError
 from ..wire import Allocator, Frame, FrameReader, Limits, encode_frame
 from .base import format_host_port
 from .polling import Adaptive
@@ -152,9 +152,9 @@ def connect_tcp(
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except TimeoutError:
-        raise ConnectError(f"cannot connect to {url}: no answer within {timeout:g} s") from None
+        raise Unreachable(f"cannot connect to {url}: no answer within {timeout:g} s") from None
     except OSError as exc:
-        raise ConnectError(f"cannot connect to {url}: {exc.strerror or exc}") from None
+        raise Unreachable(f"cannot connect to {url}: {exc.strerror or exc}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if tls is not None:
         try:

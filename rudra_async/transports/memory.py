@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectError, PeerGone
+from ..errors import ConfigError, ConnectError, PeerGone, Unreachable
 from ..wire import FrameReader, Limits, encode_frame
 from .base import Connection, OnAccept, OnConnection, ServingListener, Transport
 
@@ -101,7 +101,7 @@ class MemoryTransport(Transport):
         name = _name(url)
         listener = _listeners.get(name)
         if listener is None:
-            raise ConnectError(f"cannot connect to {url}: nothing listens there in this process")
+            raise Unreachable(f"cannot connect to {url}: nothing listens there in this process")
         client = self.connection_type(limits, f"memory://{name}")
         server = self.connection_type(listener.limits, f"memory://{name}#client")
         client.other, server.other = server, client

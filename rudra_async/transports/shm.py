@@ -58,11 +58,11 @@ import numpy as np
 
 from ..errors import (
     ConfigError,
-    ConnectError,
     ConnectionClosed,
     FrameTooLarge,
     MalformedFrame,
     PeerGone,
+    Unreachable,
     WireError,
     quoted,
 )
@@ -964,7 +964,7 @@ class ShmTransport(Transport):
             sock.connect(_socket_path(name))
         except OSError as exc:
             sock.close()
-            raise ConnectError(f"cannot connect to {url}: {exc.strerror or exc}") from None
+            raise Unreachable(f"cannot connect to {url}: {exc.strerror or exc}") from None
         sock.settimeout(None)
         return BlockingShmConnection(sock, limits, url)
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from ..errors import ConnectError, ConnectionClosed, PeerGone
+from ..errors import ConnectError, ConnectionClosed, PeerGone, Unreachable
 from ..wire import FrameReader, Limits, encode_frame
 from . import offload
 from .base import Connection, OnAccept, OnConnection, ServingListener, format_host_port
@@ -292,9 +292,9 @@ async def open_stream(opener: Awaitable[tuple[Any, StreamConnection]], url: str,
     try:
         _, conn = await asyncio.wait_for(opener, timeout)
     except asyncio.TimeoutError:
-        raise ConnectError(f"cannot connect to {url}: no answer within {timeout:g} s") from None
+        raise Unreachable(f"cannot connect to {url}: no answer within {timeout:g} s") from None
     except OSError as exc:
-        raise ConnectError(f"cannot connect to {url}: {exc.strerror or exc}") from None
+        raise Unreachable(f"cannot connect to {url}: {exc.strerror or exc}") from None
     return conn
 
 

@@ -234,7 +234,7 @@ def _with_tls_hint(exc: ConnectError, host: str, tls: ssl.SSLContext | None) -> 
     """``exc`` itself, or over TLS the same failure with a hint at the usual cause."""
     if tls is None:
         return exc
-    return ConnectError(f"{exc} (TLS: is the server using TLS, with a certificate for {host}?)")
+    return type(exc)(f"{exc} (TLS: is the server using TLS, with a certificate for {host}?)")
 
 
 transport = TcpTransport()
