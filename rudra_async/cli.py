@@ -182,16 +182,29 @@ def launch(**kwargs: Any) -> None:
 
 @main.command()
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--model", default="mlp", show_default=True, help="The model the checkpoint was trained with.")
-@click.option("--dataset", default="digits", show_default=True)
+@click.option(
+    "--model",
+    default="mlp",
+    show_default=True,
+    help="The model the checkpoint was trained with: a built-in name (built for --dataset) or module:function "
+    "returning an nn.Module.",
+)
+@click.option("--dataset", default="digits", show_default=True, help="Built-in data set whose test split to use.")
+@click.option(
+    "--data",
+    default=None,
+    help="module:function returning the test batches (a DataLoader or any iterable of (input, target)), "
+    "instead of --dataset; needs --model module:function.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
-def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, as_json: bool) -> None:
-    """Test accuracy of the weights in a checkpoint (written with --checkpoint); for a sharded
-    group, give every shard's checkpoint."""
+def evaluate(checkpoints: tuple[str, ...], model: str, dataset: str, data: str | None, as_json: bool) -> None:
+    """Test accuracy of the model in a checkpoint (written with --checkpoint: the trained
+    weights, and the frozen parameters and buffers such as BatchNorm's statistics); for a
+    sharded group, give every shard's checkpoint."""
     from .learner.evaluation import evaluate_checkpoint
 
     try:
-        out = evaluate_checkpoint(checkpoints, model, dataset)
+        out = evaluate_checkpoint(checkpoints, model, dataset, data)
     except RudraError as exc:
         _fail(exc)
     _report(

@@ -313,7 +313,11 @@ class LearnerOptions:
     batch_size: int = setting(32, "Mini-batch size μ per learner.", short="-b", low=1)
     steps: int | None = setting(None, "Gradients each learner pushes (default: until the server stops).", low=1)
     seed: int = setting(0, "Seed of the initial weights (every learner builds the same) and of sampling.")
-    threads: int = setting(1, "torch threads per learner process.", low=1)
+    threads: int | None = setting(
+        None,
+        "torch threads per learner process (default: this host's cores divided among the run's learners on it).",
+        low=1,
+    )
     reconnect: float = setting(
         0.0,
         "If the server is lost, keep trying to reach it (e.g. restarted with --resume) for this many seconds.",
@@ -345,6 +349,12 @@ class LearnerConfig:
     learners: int = setting(1, "Learners in the job (passed to a --data function, to shard the data).", low=1)
     passes: float | None = setting(
         None, "Stop after this many passes over this learner's data (--data); train sets it from --epochs.", above=0
+    )
+    host_learners: int | None = setting(
+        None,
+        "Learner processes sharing this host, to divide its cores among (train and launch set it; default: "
+        "the run's λ when the server is on this host).",
+        low=1,
     )
     name: str | None = setting(None, "Name the server shows for this learner (default: host:pid).")
     timeout: float = setting(10.0, "Connect timeout in seconds.", above=0)

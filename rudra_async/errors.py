@@ -24,7 +24,6 @@ __all__ = [
     "RemoteError",
     "RequestError",
     "RudraError",
-    "RunOver",
     "TransportError",
     "Unreachable",
     "UpdateFailed",
@@ -156,12 +155,6 @@ class LearnerError(RudraError):
     does not fit (a parameter without a gradient, a loss that is not a scalar, ...)."""
 
     code = "learner"
-
-
-class RunOver(LearnerError):
-    """A training step after the server's run ended (``step()`` had returned False)."""
-
-    code = "run_over"
 
 
 class RemoteError(RudraError):

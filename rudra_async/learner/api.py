@@ -54,7 +54,7 @@ from torch import nn
 
 from .. import security
 from ..client import Gradient, Stamp, SyncClient, Weights, went_back
-from ..errors import LearnerError, RemoteError, RunOver, TransportError, quoted
+from ..errors import LearnerError, RemoteError, TransportError, quoted
 from ..sync import overlap_breaks
 from . import sampler
 from .binding import FlatParameters, sparse_gradients
@@ -147,11 +147,16 @@ def as_loss(loss: Any) -> float | None:
 FIXED = ("momentum", "nesterov", "weight_decay", "dampening")
 
 
+def share_of_cores(learners: int) -> int:
+    """The cores this process may use divided among ``learners`` learner processes (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, learners))
+
+
 def set_threads(threads: int | Literal["auto"] | None, learners: int, url: str) -> None:
     """torch's CPU threads for a learner: ``threads`` if a number; None: as they are;
     ``"auto"``: where the server is on this host (a loopback or shm address) and nobody set
-    ``OMP_NUM_THREADS``, the cores this process may use divided among the run's λ learners
-    (never more than torch has now): learners sharing a host must not each take every core."""
+    ``OMP_NUM_THREADS``, :func:`share_of_cores` among the run's λ learners (never more than
+    torch has now): learners sharing a host must not each take every core."""
     if threads is None:
         return
     if threads != "auto":
@@ -159,7 +164,7 @@ def set_threads(threads: int | Literal["auto"] | None, learners: int, url: str) 
         return
     if "OMP_NUM_THREADS" in os.environ or not all(security.is_loopback(u) for u in url.split(",")):
         return
-    share = max(1, len(os.sched_getaffinity(0)) // max(1, learners))
+    share = share_of_cores(learners)
     if share < torch.get_num_threads():
         log.info("%d learners share this host: %d torch thread(s) each (threads= sets another number)", learners, share)
         torch.set_num_threads(share)
@@ -181,8 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     After connecting, :attr:`index` and :attr:`learners` (λ) say which part of the data is
     this learner's (:class:`~rudra_async.learner.sampler.ShardSampler` takes it). Errors are
     the client's (``RemoteError``, ``TransportError``, ...) and
-    :class:`~rudra_async.errors.LearnerError`; a ``step()`` after the one that said the run
-    is over raises :class:`~rudra_async.errors.RunOver`.
+    :class:`~rudra_async.errors.LearnerError`.
     """
 
     def __init__(
@@ -212,7 +216,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.pushes = 0  # gradients the server accepted (not refused because the run was over)
         self.reconnects = 0
         self.stopped = False
-        self._said_over = False  # step() returned False because the run is over
+        self._said_over = False  # the warning that step() no longer trains was given
+        self._inner = optimizer
         self._url = server if isinstance(server, str) else ",".join(server)
         # All client calls run in one thread: this one, or the background one when overlapping.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "rudra-exchange") if overlap else None
@@ -296,21 +301,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         closure that computes it, as torch's ``step(closure)``). Learning rates changed in
         :attr:`param_groups` (by a scheduler) go to the server with this gradient.
 
-        Returns False once the server's run is over (the step whose reply said so); a step()
-        after that raises :class:`~rudra_async.errors.RunOver`. With overlap, a gradient the
-        server refused is raised (once) by the next step(), which then sends nothing."""
+        Returns False once the server's run is over (from the step whose reply said so on:
+        later calls train nothing, and the first of them logs a warning). With overlap, a
+        gradient the server refused is raised (once) by the next step(), which then sends
+        nothing."""
         if callable(loss):
             with torch.enable_grad():
                 loss = loss()
         count, value = as_samples(samples), as_loss(loss)
         if self.stopped:
-            if self._said_over:
-                raise RunOver(
-                    "the server's run is over (it reached its --max-updates): step() returned False at the end; "
-                    "leave the training loop then (if not optimizer.step(...): break)"
+            if not self._said_over:
+                log.warning(
+                    "the server's run is over (it reached its --max-updates): step() no longer trains; leave the "
+                    "training loop when step() returns False (a loader with rt.ShardSampler ends by itself)"
                 )
-            self._said_over = True
+                self._said_over = True
             return False
+        if self._inner is not None:  # what torch's own step() tells a scheduler made on that optimizer
+            self._inner._opt_called = True  # type: ignore[attr-defined]
         lr = self._new_rates()
         stamp, step = self.timestamp, self.steps
         self.steps += 1
@@ -320,7 +328,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._overlapped_step(stamp, step, count, value, lr)
         if self.steps % self.state_every == 0 and not self.stopped:
             self._report_buffers()
-        self._said_over = self.stopped
         return not self.stopped
 
     def _new_rates(self) -> list[float] | None:

@@ -25,6 +25,12 @@ from ..errors import LearnerError
 from ..layout import Layout
 
 
+#: models of fewer values send their gradient as one gathered segment (a copy of at most
+#: 256 KiB, a few µs) rather than one segment per tensor: each segment costs both ends a few
+#: µs and a shm notification more than that copy
+GATHER_BELOW = 1 << 16
+
+
 def sparse_gradients(name: str) -> LearnerError:
     """The error for a parameter whose gradient is sparse."""
     return LearnerError(
@@ -57,6 +63,8 @@ class FlatParameters:
         self.weights = torch.empty(self.layout.size, dtype=torch.float32, device=self.device)
         for p, t in zip(self.params, self.layout.tensors):
             self.weights[t.offset : t.offset + t.size].copy_(p.detach().reshape(-1))
+        #: a small model's gradient is sent gathered in one reused buffer (see :data:`GATHER_BELOW`)
+        self._gathered = np.empty(self.layout.size, np.float32) if self.layout.size < GATHER_BELOW else None
         self._device: _DeviceGradients | None = None
         if self.device.type != "cpu":
             self._device = _DeviceGradients(self.params, self.layout, self.weights)
@@ -104,7 +112,11 @@ class FlatParameters:
         self._untouch()
         if self._device:
             return [self._device.to_host()]
-        return [_host_part(n, p.grad) for n, p in zip(self.names, self.params)]
+        parts = [_host_part(n, p.grad) for n, p in zip(self.names, self.params)]
+        if self._gathered is None or len(parts) == 1:
+            return parts
+        np.concatenate(parts, out=self._gathered)  # a small model: one segment costs less than many
+        return [self._gathered]
 
     def release_gradients(self) -> None:
         """Let go of the gradients just taken, so the next backward starts from none: on the

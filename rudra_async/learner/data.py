@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,13 +111,26 @@ def load(name: str) -> Dataset:
     return DATASETS[name]()
 
 
-def minibatches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
-    """Endless mini-batch indices: a fresh permutation each epoch, the tail carried over."""
+def shard_of(n: int, index: int, learners: int, epoch: int, seed: int, shuffle: bool = True) -> np.ndarray:
+    """Learner ``index``'s indices of an ``n``-sample data set in ``epoch``: positions
+    ``index mod λ``, ``+ λ``, ... of a permutation of 0..n−1 drawn from
+    ``numpy.random.default_rng([seed, epoch])`` (the same on every learner; 0..n−1 in order
+    without ``shuffle``), the permutation repeated from its start so that every learner
+    gets ⌈n/λ⌉ (as ``torch.utils.data.DistributedSampler`` pads)."""
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    per = -(-n // learners)
+    padded = np.resize(order, per * learners) if n else order
+    return padded[index % learners :: learners]
+
+
+def minibatches(n: int, batch_size: int, index: int = 0, learners: int = 1, seed: int = 0) -> Iterator[np.ndarray]:
+    """Endless mini-batch indices of learner ``index`` of ``learners``: its part of each
+    epoch (:func:`shard_of`), the tail carried over into the next epoch."""
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     pending = np.empty(0, np.int64)
-    while True:
-        while len(pending) < batch_size:
-            pending = np.concatenate([pending, rng.permutation(n)])
-        yield pending[:batch_size]
-        pending = pending[batch_size:]
+    for epoch in itertools.count():
+        pending = np.concatenate([pending, shard_of(n, index, learners, epoch, seed)])
+        while len(pending) >= batch_size:
+            yield pending[:batch_size]
+            pending = pending[batch_size:]

@@ -16,7 +16,7 @@ import torch
 from .. import security
 from ..config import LearnerConfig
 from ..errors import LearnerError
-from .api import DistributedOptimizer
+from .api import DistributedOptimizer, share_of_cores
 from .evaluation import evaluate
 from .parts import load_parts, scalar_loss
 from .tensorboard import open_log, updates_between
@@ -25,7 +25,9 @@ from .tensorboard import open_log, updates_between
 def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     """Train against the server at ``cfg.connect``; returns a summary of this learner's run."""
     opts = cfg.options
-    torch.set_num_threads(opts.threads)
+    threads: int | str = opts.threads or (share_of_cores(cfg.host_learners) if cfg.host_learners else "auto")
+    if threads != "auto":
+        torch.set_num_threads(int(threads))  # before the model and data are made
     parts = load_parts(opts, cfg.index, cfg.learners)
     model = parts.model
     limit = opts.steps
@@ -43,6 +45,8 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
         timeout=cfg.timeout,
         reconnect=opts.reconnect,
         overlap=opts.overlap,
+        index=cfg.index,
+        threads="auto" if threads == "auto" else None,
         secret=security.load_secret(cfg.secret_file),
         tls=security.client_tls(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None,
     ) as opt:

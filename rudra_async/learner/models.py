@@ -50,7 +50,40 @@ def cifar10_full(n_features: int, n_classes: int) -> Any:
     )
 
 
-MODELS: dict[str, Callable[..., Any]] = {"mlp": mlp, "linear": softmax_regression, "cifar10_full": cifar10_full}
+#: image shapes (channels, height, width) of the built-in data sets, by their number of features
+IMAGE_SHAPES = {64: (1, 8, 8), 784: (1, 28, 28), 3072: (3, 32, 32)}
+
+
+def bn_cnn(n_features: int, n_classes: int) -> Any:
+    """A small CNN with BatchNorm for the built-in image data sets (digits, mnist5k,
+    cifar10): two conv 3×3 → BatchNorm → ReLU → maxpool 2 blocks (16, 32 channels), then a
+    linear classifier."""
+    from torch import nn
+
+    if n_features not in IMAGE_SHAPES:
+        raise ConfigError(f"bn_cnn expects digits, mnist5k or cifar10 images, the data set has {n_features} features")
+    channels, height, width = IMAGE_SHAPES[n_features]
+    return nn.Sequential(
+        nn.Unflatten(1, (channels, height, width)) if channels == 1 and height == 8 else nn.Identity(),
+        nn.Conv2d(channels, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * (height // 4) * (width // 4), n_classes),
+    )
+
+
+MODELS: dict[str, Callable[..., Any]] = {
+    "mlp": mlp,
+    "linear": softmax_regression,
+    "cifar10_full": cifar10_full,
+    "bn_cnn": bn_cnn,
+}
 
 
 def resolve(name: str) -> Callable[..., Any]:

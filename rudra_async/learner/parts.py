@@ -130,14 +130,10 @@ def load_parts(opts: LearnerOptions, index: int = 0, learners: int = 1) -> Parts
     if opts.data is None:
         dataset = _builtin(opts.dataset)
         model = _builtin_model(opts.model, dataset)
-        batches = _builtin_batches(dataset, opts.batch_size, np.random.default_rng([opts.seed, index]), device)
+        batches = _builtin_batches(dataset, opts.batch_size, index, learners, opts.seed, device)
         per_pass = max(1, len(dataset.y_train) // opts.batch_size)
         return Parts(model.to(device), batches, loss, per_pass, dataset)
-    if ":" not in opts.model:
-        raise LearnerError(f"--model {opts.model!r} is built for --dataset; with --data give --model module:function")
-    model = call_user(load_user_object(opts.model, "--model"), opts.model, "model function")
-    if not isinstance(model, nn.Module):
-        raise LearnerError(f"model function {opts.model!r} returned {type(model).__name__}, not a torch.nn.Module")
+    model = user_module(opts.model)
     data = call_user(
         load_user_object(opts.data, "--data"),
         opts.data,
@@ -150,6 +146,17 @@ def load_parts(opts: LearnerOptions, index: int = 0, learners: int = 1) -> Parts
     if not isinstance(data, Iterable):
         raise LearnerError(f"data function {opts.data!r} returned {type(data).__name__}, not an iterable of batches")
     return Parts(model.to(device), _user_batches(data, opts.data, device), loss, _length(data, opts.data), None)
+
+
+def user_module(spec: str) -> nn.Module:
+    """The model ``--model module:function`` builds (a LearnerError for a built-in name: those
+    are built for a built-in data set)."""
+    if ":" not in spec:
+        raise LearnerError(f"--model {spec!r} is built for --dataset; with --data give --model module:function")
+    model = call_user(load_user_object(spec, "--model"), spec, "model function")
+    if not isinstance(model, nn.Module):
+        raise LearnerError(f"model function {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def _length(data: Iterable[Any], spec: str) -> int | None:
@@ -183,14 +190,15 @@ def _builtin_model(name: str, dataset: datasets.Dataset) -> nn.Module:
 
 
 def _builtin_batches(
-    dataset: datasets.Dataset, batch_size: int, rng: np.random.Generator, device: torch.device
+    dataset: datasets.Dataset, batch_size: int, index: int, learners: int, seed: int, device: torch.device
 ) -> Callable[[], Iterator[Batch]]:
+    """Learner ``index`` of ``learners`` takes its part of every epoch (:func:`~.data.shard_of`)."""
     x, y = torch.from_numpy(dataset.x_train).to(device), torch.from_numpy(dataset.y_train).to(device)
 
     def batches() -> Iterator[Batch]:
-        for idx in datasets.minibatches(len(y), batch_size, rng):
-            index = torch.from_numpy(idx).to(device)
-            yield x[index], y[index]
+        for idx in datasets.minibatches(len(y), batch_size, index, learners, seed):
+            rows = torch.from_numpy(idx).to(device)
+            yield x[rows], y[rows]
 
     return batches
 

@@ -14,10 +14,10 @@ import weakref
 from collections.abc import Iterator, Sized
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ..errors import LearnerError
+from .data import shard_of
 
 if TYPE_CHECKING:
     from .api import DistributedOptimizer
@@ -31,18 +31,6 @@ def register(optimizer: DistributedOptimizer) -> None:
     _newest = weakref.ref(optimizer)
 
 
-def shard_of(n: int, index: int, learners: int, epoch: int, seed: int, shuffle: bool = True) -> np.ndarray:
-    """Learner ``index``'s indices of an ``n``-sample data set in ``epoch``: positions
-    ``index mod λ``, ``+ λ``, ... of a permutation of 0..n−1 drawn from
-    ``numpy.random.default_rng([seed, epoch])`` (the same on every learner; 0..n−1 in order
-    without ``shuffle``), the permutation repeated from its start so that every learner
-    gets ⌈n/λ⌉ (as ``torch.utils.data.DistributedSampler`` pads)."""
-    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
-    per = -(-n // learners)
-    padded = np.resize(order, per * learners) if n else order
-    return padded[index % learners :: learners]
-
-
 class ShardSampler(torch.utils.data.Sampler[int]):
     """This learner's part of ``data`` at each epoch (every ``iter()`` is the next epoch,
     reshuffled with ``seed``; :meth:`set_epoch` sets it, as ``DistributedSampler`` has).
@@ -51,7 +39,9 @@ class ShardSampler(torch.utils.data.Sampler[int]):
     is iterated, so the loader may be built first). λ and the index are read at the start of
     each epoch: a learner that joins or leaves an asynchronous run changes the parts from
     the next epoch (with ``--expected-learners``, every learner's λ stays that number).
-    ``drop_last``: each part is ⌊n/λ⌋ indices instead of padding to ⌈n/λ⌉."""
+    ``drop_last``: each part is ⌊n/λ⌋ indices instead of padding to ⌈n/λ⌉. Once the
+    server's run is over (``step()`` returned False) it yields nothing more, so a loop over
+    the loader ends."""
 
     def __init__(
         self,
@@ -70,24 +60,28 @@ class ShardSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _assignment(self) -> tuple[int, int]:
+    def _follow(self) -> DistributedOptimizer:
         optimizer = self.optimizer or (_newest() if _newest is not None else None)
         if optimizer is None:
             raise LearnerError(
                 "ShardSampler follows a DistributedOptimizer's learner index: make the optimizer before "
                 "iterating the loader (or pass it as optimizer=)"
             )
-        return optimizer.index, optimizer.learners
+        return optimizer
 
     def __iter__(self) -> Iterator[int]:
-        index, learners = self._assignment()
+        optimizer = self._follow()
+        index, learners = optimizer.index, optimizer.learners
         part = shard_of(len(self.data), index, learners, self.epoch, self.seed, self.shuffle)
         self.epoch += 1
         if self.drop_last:
             part = part[: len(self.data) // learners]
-        return iter(part.tolist())
+        for i in part.tolist():
+            if optimizer.stopped:  # the server's run is over: the loop over the loader ends
+                return
+            yield i
 
     def __len__(self) -> int:
-        _, learners = self._assignment()
+        learners = self._follow().learners
         n = len(self.data)
         return n // learners if self.drop_last else -(-n // learners)

@@ -37,6 +37,17 @@ ENGINES = (
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS"),
 )
 JOB_ID_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid")
+#: the number of this job's tasks on this node, as each engine tells it
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def tasks_on_this_node(env: Mapping[str, str]) -> int | None:
+    """How many of the job's tasks share this node (the engine's variable), or None if unknown."""
+    for var in LOCAL_SIZE_VARS:
+        value = env.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 def rank_from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
@@ -103,6 +114,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
             connect=",".join(urls),
             index=index,
             learners=learners_of(cfg),
+            host_learners=tasks_on_this_node(os.environ),
             options=cfg.learner,
             secret_file=server.secret_file,
             tls_ca=cfg.tls_ca,
@@ -119,7 +131,10 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
     from ..server import ParameterServer
 
     port = cfg.port + shard.index if cfg.port else 0  # shard servers may share a node
-    server_cfg = cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, port))
+    server_cfg = replace(
+        cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, port)),
+        expected_learners=learners_of(cfg),
+    )
     path = address_file(cfg, shard.index)
     async with ParameterServer(server_cfg) as ps:
         ps.close_on_signals()

@@ -31,6 +31,8 @@ from .train import summarize
 
 #: scheduling points a released learner may take before the scheduler calls it stuck
 MAX_SPINS = 100_000
+#: a learner reports its buffers (BatchNorm's) every this many steps, as DistributedOptimizer's default
+REPORT_EVERY = 50
 
 #: settings of learner processes and of how they reach their servers: a simulation (one
 #: server, its learners as tasks of one process, the in-memory transport) does not use them
@@ -117,21 +119,26 @@ async def _learner(
     steps: int | None,
     sched: Scheduler,
     duration: np.ndarray,
-    rng: np.random.Generator,
 ) -> None:
     import torch
 
     from ..learner.data import minibatches
     from ..learner.evaluation import bind, build_model
+    from ..learner.state import ModelState
 
     model = build_model(cfg.learner.model, dataset, cfg.learner.seed)
     flat = bind(model)
-    client = await Client.connect(url, flat.layout, flat.host_weights, name=f"sim-{index}")
+    state = ModelState(model, flat.params)  # BatchNorm's buffers, as a learner process reports them
+    client = await Client.connect(
+        url, flat.layout, flat.host_weights, name=f"sim-{index}", index=index, state=state.layout if state else None
+    )
     sched.ids[index] = client.learner_id
+    if state:
+        state.load(await client.exchange_state(state.values(), every=True, reply=True))
     client.weights = flat.host_weights  # pulled weights land in the model
     w = await client.pull()
     x, y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
-    batches = minibatches(len(y), cfg.learner.batch_size, rng)
+    batches = minibatches(len(y), cfg.learner.batch_size, index, cfg.learners, cfg.learner.seed)
     step = 0
     try:
         while not w.stop and (steps is None or step < steps):
@@ -149,8 +156,12 @@ async def _learner(
                     break
                 raise
             step += 1
+            if state.has_buffers and step % REPORT_EVERY == 0:
+                await client.exchange_state(state.buffers(), every=False, reply=False)
     finally:
         sched.state[index] = "done"
+        if state.has_buffers and not client.conn.is_closed:
+            await client.exchange_state(state.buffers(), every=False, reply=False)
         await client.close()
 
 
@@ -185,7 +196,6 @@ async def simulate(cfg: TrainConfig, jitter: float = 0.05, heterogeneity: float 
                         steps,
                         sched,
                         durations,
-                        np.random.default_rng([cfg.learner.seed, i]),
                     )
                 )
             )

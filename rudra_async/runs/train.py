@@ -34,6 +34,7 @@ def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[Learn
             connect=url,
             index=i,
             learners=cfg.learners,
+            host_learners=cfg.learners,
             name=f"learner-{i}",
             passes=cfg.passes_per_learner(),
             secret_file=server.secret_file,
@@ -157,13 +158,17 @@ def summarize(
     """The results of a finished run: configuration, final test accuracy (with a built-in
     data set; None with --data), statistics. ``weights``: the whole model's (default: the
     server's; a shard group's, joined)."""
-    from ..learner.evaluation import bind, build_model, evaluate
+    from ..learner.evaluation import build_model, evaluate, load_whole
 
     accuracy: float | None = None
     test_loss: float | None = None
     if dataset is not None:
         model = build_model(cfg.learner.model, dataset, cfg.learner.seed)
-        bind(model).host_weights[:] = server.core.store.weights if weights is None else weights  # type: ignore[union-attr]
+        core = server.core
+        state = core.state if core.state is not None and core.state.values is not None else None
+        assert core.layout is not None and core.store is not None, "a finished run has weights"
+        flat = core.store.weights if weights is None else weights
+        load_whole(model, core.layout, flat, state.layout if state else None, (state.values or []) if state else [])
         accuracy, test_loss = evaluate(model, dataset.x_test, dataset.y_test)
     stats = server.stats()
     return {
@@ -175,7 +180,7 @@ def summarize(
         "learners": cfg.learners,
         "shards": cfg.shards,
         "batch_size": cfg.learner.batch_size,
-        "dataset": cfg.learner.dataset,
+        "dataset": cfg.learner.data or cfg.learner.dataset,
         "model": cfg.learner.model,
         "updates": stats["updates"],
         "gradients": stats["gradients"],
