@@ -90,16 +90,18 @@ def main():
 
     started, seen = time.perf_counter(), 0
     for epoch in range(start, args.epochs):
+        total = 0.0
         for x, y in loader:
             seen += len(x)
             optimizer.zero_grad()
             loss = loss_fn(net(x), y)
             loss.backward()
+            total += loss.item() * len(x)
             optimizer.step()
         scheduler.step()
         state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
         torch.save({**state, "epoch": epoch}, args.checkpoint)
-        print(f"epoch {epoch}: loss {loss.item():.4f}, test accuracy {accuracy(net, test_set):.4f}", flush=True)
+        print(f"epoch {epoch}: training loss {total / len(loader.sampler):.4f}", flush=True)
     elapsed = time.perf_counter() - started
     print(f"trained {seen} samples in {elapsed:.2f} s; test accuracy {accuracy(net, test_set):.4f}")
 

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from . import __version__
+from . import __version__, advice
 from .config import LaunchConfig, LearnerConfig, LogOptions, ServerConfig, TrainConfig
 from .errors import ConfigError, RudraError
 from .eventloop import run as run_loop
@@ -97,7 +97,9 @@ def server(**kwargs: Any) -> None:
         click.echo(json.dumps(ps.stats()), err=True)  # after close: includes the final checkpoint
 
     try:
-        run_loop(serve(_config(ServerConfig, kwargs)))
+        cfg = _config(ServerConfig, kwargs)
+        advice.warn(cfg.validate())
+        run_loop(serve(cfg))
     except RudraError as exc:
         _fail(exc)
 

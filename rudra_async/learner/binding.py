@@ -3,7 +3,9 @@ weights land in the model as one buffer, and the gradients go out as they are.
 
 On the CPU the model's parameter memory *is* the flat weights buffer, and the gradient is
 pushed as the tensors' own ``.grad`` (one wire segment each, docs/wire.md): backward
-writes each gradient once and nothing is zeroed, accumulated into or gathered. (Binding
+writes each gradient once and nothing is zeroed, accumulated into or gathered (but for a
+small model, below :data:`GATHER_BELOW` values, whose gradient is gathered into one reused
+buffer: one segment costs both ends less than one per tensor). (Binding
 ``.grad`` to a flat buffer instead makes every backward add into it: at 25M values a
 third more backward time on one thread, ``benchmarks/peers`` workload (a).) On another
 device the flat buffers live on the device; :meth:`FlatParameters.gradients` copies the
@@ -23,7 +25,6 @@ from torch import nn
 
 from ..errors import LearnerError
 from ..layout import Layout
-
 
 #: models of fewer values send their gradient as one gathered segment (a copy of at most
 #: 256 KiB, a few µs) rather than one segment per tensor: each segment costs both ends a few

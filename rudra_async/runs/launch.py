@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from .. import advice
 from ..config import LaunchConfig, LearnerConfig
 from ..errors import ConfigError, RudraError
 from ..layout import Shard
@@ -102,6 +103,8 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     assert cfg.rank is not None
     if cfg.rank < cfg.servers:
         from ..eventloop import run
+
+        advice.warn(cfg.server, learners_of(cfg), cfg.learner.overlap)
 
         return {"role": "server", "rank": cfg.rank, **run(serve_shard(cfg, Shard(cfg.rank, cfg.servers)))}
     from ..learner.loop import run_learner

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import security
+from .. import advice, security
 from ..config import LearnerConfig, TrainConfig
 from ..errors import RudraError
 from ..layout import Shard
@@ -52,6 +52,7 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     from ..learner import data as datasets
 
     cfg.validate()
+    advice.warn(cfg.server, cfg.learners, cfg.learner.overlap)
     warm_up()  # learners' imports (torch) start now, beside the server's start-up
     started = time.monotonic()
     dataset = datasets.load(cfg.learner.dataset) if cfg.learner.data is None else None

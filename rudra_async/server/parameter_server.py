@@ -105,6 +105,7 @@ class ParameterServer:
         self._blocked: set[int] = set()
         self._store_closed = False
         self._shutdown: asyncio.Future[None] | None = None
+        self.closing_reason = ""  # why the server is shutting down (told to learners)
         self._sessions: dict[Connection, Session] = {}  # in order of arrival
         self._unregistered: dict[Session, None] = {}  # sessions before hello, oldest first
         self._watchdog: asyncio.Task[None] | None = None
@@ -164,8 +165,10 @@ class ParameterServer:
         if self.failure is not None:
             raise self.failure
 
-    def request_close(self) -> None:
-        """Make :meth:`serve` return (e.g. from a signal handler); the owner then awaits :meth:`close`."""
+    def request_close(self, reason: str = "") -> None:
+        """Make :meth:`serve` return (e.g. from a signal handler); the owner then awaits
+        :meth:`close`. ``reason`` goes to the learners with the shutdown's notice."""
+        self.closing_reason = self.closing_reason or reason
         if self._closed is not None:
             self._closed.set()
         self._notify()
@@ -174,7 +177,7 @@ class ParameterServer:
         """SIGINT and SIGTERM end :meth:`serve` (the owner then closes, writing the final checkpoint)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.request_close)
+            loop.add_signal_handler(sig, self.request_close, f"it got {sig.name}")
 
     async def close(self) -> None:
         """Stop listening, drop every connection, write the final checkpoint if one is
@@ -189,6 +192,8 @@ class ParameterServer:
             self._watchdog.cancel()
         if self.monitor is not None:
             await self.monitor.close()
+        for session in list(self._sessions.values()):  # before the connections close: why they do
+            session.notify_shutdown(self.closing_reason or "its owner closed it")
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()

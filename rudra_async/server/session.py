@@ -215,6 +215,18 @@ class Session:
         self._await_request()
         return True
 
+    def notify_shutdown(self, reason: str) -> None:
+        """The server is shutting down: tell a registered learner so (a fatal ERROR
+        ``shutting_down``, without ``seq``, the reply its next request reads) before its
+        connection closes, where the transport can send it now; best effort."""
+        if self.state is not State.READY or not self.conn.nowait_room(0):
+            return
+        message = f"the server is shutting down: {reason}"
+        try:
+            self.conn.send_nowait(MsgType.ERROR, {"code": "shutting_down", "message": message, "fatal": True})
+        except RudraError:
+            pass
+
     def _await_request(self) -> None:
         """Set the deadline for the next request: the handshake's (fixed at accept) until
         hello, then the idle timeout."""
