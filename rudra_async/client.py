@@ -446,6 +446,8 @@ def _check(frame: Frame, expected: MsgType, auth_hint: bool = False) -> Frame:
             message += " (the secrets differ)"
         elif code == "auth_unavailable":
             message += "; this learner has a secret and will not talk to a server that cannot prove it knows it"
+        elif code == "shutting_down":  # the server is going away: the connection is lost, and here is why
+            raise PeerGone(message)
         raise RemoteError(message, code=code)
     if frame.msg_type != expected:
         frame.release()

@@ -21,6 +21,8 @@ def test_the_doc_lists_every_public_module():
         "rudra_async.layout",
         "rudra_async.sync",
         "rudra_async.lr",
+        "rudra_async.advice",
+        "rudra_async.model_state",
         "rudra_async.transports",
         "rudra_async.kernels",
         "rudra_async.client",

@@ -352,7 +352,7 @@ async def test_replies_written_while_their_updates_are_computed_are_exact_and_ne
         return final
 
     monkeypatch.setattr(store.Progress, "wait", spying_wait)
-    cfg = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "kernel": "numpy"}
+    cfg = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "kernel": "numpy", "lr_policy": "constant"}
     w0 = np.random.default_rng(5).standard_normal(N).astype(np.float32)
     layout = Layout.from_shapes([("w", (N,))])
     decided = []  # the gradients, in the order the server applied them

@@ -62,7 +62,7 @@ def test_simulated_points_refuse_what_only_processes_use(settings, names):
 
 
 def test_default_values_of_process_settings_are_accepted_and_simulate_checks_too():
-    assert len(expand({"defaults": {"transport": "tcp", "threads": 1, "device": "cpu"}, "runs": [{}]})) == 1
+    assert len(expand({"defaults": {"transport": "tcp", "reconnect": 0.0, "device": "cpu"}, "runs": [{}]})) == 1
     cfg = TrainConfig(learners=1, updates=2, learner=LearnerOptions(model="linear", loss="mse"))
     with pytest.raises(ConfigError, match="a simulation ignores loss"):
         run(simulate(cfg))

@@ -75,7 +75,7 @@ def test_a_lost_server_and_a_closed_client_raise_the_transport_errors(listen):
     with server_thread(listen=[listen], lr=0.1, kernel="numpy") as ps:
         client = SyncClient(ps.addresses[0], layout, initial_weights(layout))
         client.pull()
-    with pytest.raises(PeerGone):  # the server closed every connection
+    with pytest.raises(PeerGone):  # the server closed every connection (over tcp it said why first)
         client.pull()
     client.close()
     with pytest.raises(ConnectionClosed):

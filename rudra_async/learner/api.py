@@ -430,10 +430,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except RemoteError as exc:
             if exc.code == "stopped":
                 return None
-            if exc.code != "shutting_down" or not self.reconnect:
-                raise
-            return self._reconnect(exc, stamp)
-        except TransportError as exc:
+            raise
+        except TransportError as exc:  # a server shutting down says why (PeerGone with its reason)
             if not self.reconnect:
                 raise
             return self._reconnect(exc, stamp)

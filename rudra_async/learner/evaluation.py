@@ -17,18 +17,13 @@ from . import models
 from .binding import FlatParameters
 
 
-@torch.no_grad()
 def evaluate(module: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``module`` on ``x``, ``y``."""
+    """(accuracy, mean cross-entropy) of ``module`` on ``x``, ``y`` (:func:`evaluate_batches`
+    of one batch; the module's train mode is kept)."""
     was_training = module.training
-    module.eval()
-    device = next(module.parameters()).device
-    logits = module(torch.from_numpy(x).to(device))
-    target = torch.from_numpy(y).to(device)
-    loss = nn.functional.cross_entropy(logits, target).item()
-    acc = (logits.argmax(1) == target).float().mean().item()
+    result = evaluate_batches(module, [(torch.from_numpy(x), torch.from_numpy(y))])
     module.train(was_training)
-    return acc, loss
+    return result
 
 
 def evaluate_checkpoint(
@@ -63,7 +58,10 @@ def evaluate_checkpoint(
         batches = call_user(load_user_object(data, "--data"), data, "data function")
     first = states[0]
     weights = np.concatenate([st.weights for st in states])
-    load_whole(module, first.layout, weights, first.model_state, first.model_state_values)
+    try:
+        load_whole(module, first.layout, weights, first.model_state, first.model_state_values)
+    except ConfigError as exc:
+        raise ConfigError(f"the checkpoint's tensors are not those of model {model!r}: {exc}") from None
     accuracy, loss = evaluate_batches(module, batches)
     return {
         "checkpoints": list(paths),
@@ -107,9 +105,9 @@ def load_whole(
     ``layout`` order) and the frozen parameters and buffers (``state``, ``values``). Every
     entry of the module's ``state_dict`` must be among them, each of its shape: else a
     ConfigError naming what differs."""
-    whole = {t.name: torch.from_numpy(weights[t.offset : t.offset + t.size].reshape(t.shape)) for t in layout.tensors}
+    whole = {t.name: torch.tensor(weights[t.offset : t.offset + t.size].reshape(t.shape)) for t in layout.tensors}
     if state is not None:
-        whole.update({t.name: torch.from_numpy(np.require(v, requirements="C")) for t, v in zip(state.tensors, values)})
+        whole.update({t.name: torch.tensor(v) for t, v in zip(state.tensors, values)})
     own = module.state_dict()
     missing = [k for k in own if k not in whole]
     if missing:
