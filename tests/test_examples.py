@@ -34,33 +34,52 @@ def code_lines(path: Path) -> list[str]:
     return text[text.index('"""', 3) + 3 :].splitlines()
 
 
-def test_a_pytorch_script_moves_to_rudra_async_with_a_handful_of_lines():
-    before = code_lines(ROOT / "examples" / "torch_script_before.py")
-    after = code_lines(ROOT / "examples" / "torch_script_after.py")
+def test_the_example_moves_to_rudra_async_in_eight_changed_lines():
+    before = code_lines(ROOT / "examples" / "mnist_cnn.py")
+    after = code_lines(ROOT / "examples" / "mnist_cnn_distributed.py")
     changed = [
         line
         for line in difflib.unified_diff(before, after, lineterm="", n=0)
         if line[:1] in "+-" and not line.startswith(("+++", "---")) and line[1:].strip()
     ]
-    assert len(changed) <= 5, changed  # import, wrap the optimizer, step(...) with the loss, close
+    # import, --server, wrap the optimizer, the sampler (- and +), step(...) with the loss (- and +), close
+    assert len(changed) <= 8, changed
 
 
 @pytest.mark.torch
-def test_the_script_trains_alone_and_on_a_server(tmp_path):
-    before = run_cli_script("torch_script_before.py", "2")
-    assert re.search(r"accuracy (0\.9\d+)", before.stdout), before.stdout
-    port = free_port()
-    server = start_server(port, "--protocol", "async", "--lr", "0.05", "--momentum", "0.9")
+def test_the_example_trains_with_two_learners_and_the_servers_checkpoint_is_the_whole_model(tmp_path):
+    port, path = free_port(), tmp_path / "run.rudra"
+    server = start_server(port, "--expected-learners", "2", "--momentum", "0.9", "--checkpoint", str(path))
+    script = [
+        sys.executable,
+        str(ROOT / "examples" / "mnist_cnn_distributed.py"),
+        "--server",
+        f"tcp://127.0.0.1:{port}",
+    ]
     try:
-        after = run_cli_script("torch_script_after.py", f"tcp://127.0.0.1:{port}", "2")
-        assert after.returncode == 0, after.stderr
-        accuracy = float(re.search(r"accuracy ([\d.]+)", after.stdout).group(1))
-        assert accuracy >= 0.9, after.stdout
-        server.send_signal(signal.SIGTERM)
-        _, err = server.communicate(timeout=30)
-        assert last_json(err)["updates"] == 2 * 64  # 2 epochs of 64 batches, each one push
+        learners = [
+            subprocess.Popen([*script, "--epochs", "1", "--checkpoint", str(tmp_path / f"l{i}.pt")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)
+        ]  # fmt: skip
+        outputs = [p.communicate(timeout=300) for p in learners]
+        assert all(p.returncode == 0 for p in learners), outputs
+        found = [re.search(r"trained (\d+) samples .*test accuracy ([\d.]+)", out) for out, _ in outputs]
+        assert [int(m.group(1)) for m in found] == [2000, 2000]  # each its half: 63 batches, the last of 16
+        accuracies = [float(m.group(2)) for m in found]
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+        stats = last_json(err)
+        assert stats["updates"] == 2 * 63 and stats["lr_policy"] == "compensated"
     finally:
         reap(server)
+    evaluated = subprocess.run(
+        [*CLI_ARGS, "evaluate", str(path), "--model", "mnist_cnn:model", "--data", "mnist_cnn:test_data", "--json"],
+        cwd=ROOT / "examples", capture_output=True, text=True, timeout=300, env=subprocess_env(),
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    accuracy = json.loads(evaluated.stdout)["test_accuracy"]
+    assert min(accuracies) >= 0.85 and abs(accuracy - np.mean(accuracies)) <= 0.02, (accuracy, accuracies)
 
 
 @pytest.mark.torch
@@ -78,12 +97,6 @@ def test_a_cnn_on_cifar10_format_data_through_a_dataloader_with_the_cli(tmp_path
     result = json.loads(out.read_text())
     assert result["updates"] == 2 * 5  # each learner: one pass over its 40 images, batches of 8
     assert result["test_accuracy"] is None and "test accuracy n/a (--data)" in proc.stdout
-
-
-def run_cli_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=300
-    )
 
 
 async def test_aiohttp_application_embeds_the_server_and_serves_its_metrics_and_page():
