@@ -96,6 +96,7 @@ def test_a_cnn_on_cifar10_format_data_through_a_dataloader_with_the_cli(tmp_path
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["updates"] == 2 * 5  # each learner: one pass over its 40 images, batches of 8
+    assert result["dataset"] == "cifar10_cnn:data"  # the data actually used
     assert result["test_accuracy"] is None and "test accuracy n/a (--data)" in proc.stdout
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 import rudra_async.torch as rt
 from rudra_async.errors import LearnerError, PeerGone, RemoteError, Unreachable
+from rudra_async.layout import Shard
 from rudra_async.learner.api import set_threads
 from rudra_async.learner.data import minibatches, shard_of
 
@@ -312,3 +313,33 @@ def test_train_overlapping_with_the_defaults_trains_and_a_constant_rate_is_warne
     assert proc.returncode == 0, proc.stderr
     warning = proc.stderr.index("--lr-policy constant with --momentum 0.9 under --protocol async with --overlap")
     assert warning < proc.stderr.index("parameter server listening")
+
+
+def test_shard_0_of_a_group_keeps_the_models_state_and_evaluate_joins_the_group(tmp_path):
+    x, y = data()
+    paths = [tmp_path / f"s{i}.ckpt" for i in range(2)]
+    with contextlib.ExitStack() as stack:
+        shards = [
+            stack.enter_context(server_thread(kernel="numpy", shard=Shard(i, 2), checkpoint=str(paths[i])))
+            for i in range(2)
+        ]
+        model = bn_net()
+        opt = rt.DistributedOptimizer(model, [s.addresses[0] for s in shards])
+        train_steps(opt, model, 4, x, y)
+        opt.close()
+        assert shards[0].core.state.seeded and shards[1].core.state is None
+    module = tmp_path / "bnshards.py"
+    module.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def model():\n"
+        "    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))\n"
+        "def test():\n"
+        "    x = torch.randn(50, 4, generator=torch.Generator().manual_seed(9))\n"
+        "    return [(x, (x[:, 0] > 0).long())]\n"
+    )
+    from rudra_async.learner.evaluation import evaluate_checkpoint
+
+    with pytest.MonkeyPatch.context() as m:
+        m.syspath_prepend(str(tmp_path))
+        out = evaluate_checkpoint([str(p) for p in paths], "bnshards:model", data="bnshards:test")
+    assert out["clock"] == 4 and 0 <= out["test_accuracy"] <= 1
