@@ -64,7 +64,7 @@ class Workload:
 WORKLOADS = {
     "digits-mlp": Workload("digits", "mlp", 0.03, 30),
     "mnist-mlp": Workload("mnist5k", "mlp", 0.05, 10),
-    "mnist-bn-cnn": Workload("mnist5k", "bn_cnn", 0.05, 4),
+    "mnist-bn-cnn": Workload("mnist5k", "bn_cnn", 0.02, 4),
     "digits-bn-cnn": Workload("digits", "bn_cnn", 0.05, 5),
 }
 

@@ -183,6 +183,19 @@ def launch(**kwargs: Any) -> None:
 
 
 @main.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+def secret(path: str) -> None:
+    """Write a new random shared secret to PATH (mode 0600), for --secret-file."""
+    from .security import write_secret
+
+    try:
+        write_secret(path)
+    except RudraError as exc:
+        _fail(exc)
+    click.echo(f"wrote a new secret to {path} (readable by you only); give it with --secret-file {path}", err=True)
+
+
+@main.command()
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--model",

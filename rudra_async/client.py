@@ -196,6 +196,7 @@ class Client:
         tls: ssl.SSLContext | None = None,
         index: int | None = None,
         state: StateLayout | None = None,
+        reader: bool = False,
     ) -> Client:
         """Connect, authenticate and register. ``initial`` (flat float32) seeds the server if
         it has no weights, and ``groups`` (``[[tensors, lr, weight_decay], ...]``,
@@ -204,7 +205,9 @@ class Client:
         (default: the ``RUDRA_ASYNC_SECRET`` variable, if set); the server must prove it
         knows it too. ``tls``: an ``ssl.SSLContext`` (e.g. :func:`rudra_async.security.client_tls`)
         for a TLS server (tcp only). ``index``: the learner index to ask for; ``state``: the
-        model's frozen parameters and buffers (:meth:`exchange_state` sends their values)."""
+        model's frozen parameters and buffers (:meth:`exchange_state` sends their values).
+        ``reader``: a client that only pulls (evaluation, monitoring): it never takes part in
+        a round and cannot push."""
         conn = await transports.connect(url, limits=limits, timeout=timeout, tls=tls)
         return await cls.hello(
             conn,
@@ -218,6 +221,7 @@ class Client:
             url=url,
             index=index,
             state=state,
+            reader=reader,
         )
 
     @classmethod
@@ -235,6 +239,7 @@ class Client:
         url: str | None = None,
         index: int | None = None,
         state: StateLayout | None = None,
+        reader: bool = False,
     ) -> Client:
         """Authenticate (with a secret) and register on an open connection (see :meth:`connect`);
         the connection is closed on failure."""
@@ -252,6 +257,8 @@ class Client:
                 meta["index"] = index
             if state is not None:
                 meta["state"] = state.to_wire()
+            if reader:
+                meta["reader"] = True
             arrays = [np.ascontiguousarray(initial, np.float32).reshape(-1)] if initial is not None else []
             reply = await _exchange(conn, MsgType.HELLO, meta, arrays, where, timeout, "WELCOME")
             welcome = _check(reply, MsgType.WELCOME, auth_hint=key is None).meta
@@ -416,23 +423,22 @@ async def _exchange(
 
 
 async def _authenticate(conn: Channel, secret: bytes, url: str, timeout: float) -> None:
-    """The handshake of docs/wire.md: prove we know the secret, and make the server prove it."""
+    """The handshake of docs/wire.md: prove we know the secret, then make the server prove it."""
     nonce = security.new_nonce()
     reply = _check(
         await _exchange(conn, MsgType.AUTH, {"nonce": nonce}, (), url, timeout, "CHALLENGE"), MsgType.CHALLENGE
     )
     reply.release()
-    server_nonce, proof = reply.meta.get("nonce"), reply.meta.get("proof")
+    server_nonce = reply.meta.get("nonce")
     if not isinstance(server_nonce, bytes) or len(server_nonce) != len(nonce):
         raise ConnectError(f"{url} answered the authentication with a malformed challenge")
-    if not security.verify(security.server_proof(secret, nonce, server_nonce), proof):
+    proof = {"proof": security.client_proof(secret, nonce, server_nonce)}
+    ok = _check(await _exchange(conn, MsgType.PROOF, proof, (), url, timeout, "AUTHENTICATED"), MsgType.AUTHENTICATED)
+    ok.release()
+    if not security.verify(security.server_proof(secret, nonce, server_nonce), ok.meta.get("proof")):
         raise ConnectError(
             f"{url} does not know the secret: it is not the server it claims to be (or the secrets differ)"
         )
-    proof = {"proof": security.client_proof(secret, nonce, server_nonce)}
-    _check(
-        await _exchange(conn, MsgType.PROOF, proof, (), url, timeout, "AUTHENTICATED"), MsgType.AUTHENTICATED
-    ).release()
 
 
 def _check(frame: Frame, expected: MsgType, auth_hint: bool = False) -> Frame:

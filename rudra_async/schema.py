@@ -166,6 +166,13 @@ FIELDS: dict[MsgType, tuple[Field, ...]] = {
             "(`groups_mismatch`), one without takes the server's. See [protocols.md](protocols.md#parameter-groups).",
         ),
         Field(
+            "reader",
+            "bool",
+            "a client that only reads the weights (evaluation, monitoring): it never takes part in a round, holds "
+            "no learner index, and its pushes are refused (`read_only`)",
+            default=False,
+        ),
+        Field(
             "index",
             "int",
             "the learner index this learner asks for (its part of the data: see [below](#hello-1-learner--server)); "

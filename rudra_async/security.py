@@ -2,20 +2,25 @@
 and which addresses other hosts can reach.
 
 The handshake (normative description in ``docs/wire.md``): the learner sends AUTH with a
-fresh 32-byte nonce N_c; the server answers CHALLENGE with its own fresh nonce N_s and
-``HMAC-SHA256(K, "rudra-async v1 server" ‖ N_c ‖ N_s)``; the learner checks it (so a
-server that does not know K is found out before the learner sends anything of value) and
-sends PROOF, ``HMAC-SHA256(K, "rudra-async v1 client" ‖ N_c ‖ N_s)``; the server checks it
-and answers AUTHENTICATED. Both comparisons are constant-time; fresh nonces on both sides
-make a recorded exchange worthless on any other connection (no replay), and the two labels
-keep one side's proof from ever serving as the other's.
+fresh 32-byte nonce N_c; the server answers CHALLENGE with its own fresh nonce N_s only;
+the learner proves first, sending PROOF, ``HMAC-SHA256(K, "rudra-async v1 client" ‖ N_c ‖
+N_s)``; the server checks it and answers AUTHENTICATED with its own proof,
+``HMAC-SHA256(K, "rudra-async v1 server" ‖ N_c ‖ N_s)``, which the learner checks before it
+sends anything else (so a server that does not know K is found out before the learner
+sends anything of value). Nothing derived from K goes to a peer that has not proved it
+knows K, so one exchange gives an attacker no way to test guesses offline. Both
+comparisons are constant-time; fresh nonces on both sides make a recorded exchange
+worthless on any other connection (no replay), and the two labels keep one side's proof
+from ever serving as the other's.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import secrets
 import ssl
@@ -37,29 +42,71 @@ __all__ = [
     "server_proof",
     "server_tls",
     "verify",
+    "weakness",
+    "write_secret",
 ]
 
 SECRET_ENV = "RUDRA_ASYNC_SECRET"
 MIN_SECRET_BYTES = 16
+MIN_DISTINCT_BYTES = 8
+MIN_ESTIMATED_BITS = 40
 NONCE_BYTES = 32
 _SERVER_LABEL = b"rudra-async v1 server"
 _CLIENT_LABEL = b"rudra-async v1 client"
 
 
 def _checked(secret: bytes, source: str) -> bytes:
+    """``secret`` stripped of surrounding whitespace, if it is strong enough (:func:`weakness`)."""
     secret = secret.strip()
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            f"the secret from {source} is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
-            '(e.g. python -c "import secrets; print(secrets.token_hex(32))")'
-        )
+    why = weakness(secret)
+    if why is not None:
+        raise ConfigError(f"the secret from {source} is too weak: {why}; make one with `rudra-async secret FILE`")
     return secret
+
+
+def weakness(secret: bytes) -> str | None:
+    """Why ``secret`` is too easy to guess, or None: fewer than :data:`MIN_SECRET_BYTES` bytes;
+    fewer than :data:`MIN_DISTINCT_BYTES` different byte values; less than
+    :data:`MIN_ESTIMATED_BITS` bits by the estimate length × (Shannon entropy of its byte
+    frequencies); or, below 32 bytes, a run of 4 bytes that comes back later ("summer2026summer").
+    Random secrets pass (`rudra-async secret` writes 64 hex digits; 16 random hex digits
+    fail about once in a hundred, for too few different digits). A dictionary word is not
+    found out: use a random secret."""
+    if len(secret) < MIN_SECRET_BYTES:
+        return f"{len(secret)} bytes, at least {MIN_SECRET_BYTES} are needed"
+    counts = collections.Counter(secret)
+    if len(counts) < MIN_DISTINCT_BYTES:
+        return f"only {len(counts)} different characters, at least {MIN_DISTINCT_BYTES} are needed"
+    bits = -sum(c * math.log2(c / len(secret)) for c in counts.values())
+    if bits < MIN_ESTIMATED_BITS:
+        return f"about {bits:.0f} bits of variety, at least {MIN_ESTIMATED_BITS} are needed (a longer, random secret)"
+    if len(secret) < 32:
+        first: dict[bytes, int] = {}
+        for i in range(len(secret) - 3):
+            seen = first.setdefault(secret[i : i + 4], i)
+            if i - seen >= 4:
+                return f"{secret[i : i + 4]!r} comes back in it (a pattern); use a random secret"
+    return None
+
+
+def write_secret(path: str) -> None:
+    """Write a new random secret (32 random bytes as 64 hex digits) to ``path``, readable by
+    its owner only (mode 0600); ConfigError if ``path`` exists (it is never overwritten)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ConfigError(f"{path} exists: remove it first (a secret is never overwritten)") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
 
 
 def load_secret(path: str | None = None, env: Mapping[str, str] | None = None) -> bytes | None:
     """The shared secret: the contents of ``path`` (``--secret-file``; surrounding
     whitespace stripped) if given, else the ``RUDRA_ASYNC_SECRET`` environment variable,
-    else None. A secret shorter than 16 bytes is refused. Never taken from a flag's value."""
+    else None. A weak secret (:func:`weakness`) is refused, a file others may read is warned
+    about. Never taken from a flag's value."""
     if path:
         try:
             with open(path, "rb") as fh:

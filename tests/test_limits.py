@@ -78,7 +78,7 @@ async def test_oversize_frames_in_the_first_packet_are_refused_before_and_after_
 
 
 async def test_a_secret_server_refuses_everything_in_the_first_packet():
-    async with run_server(kernel="numpy", secret="s" * 32) as ps:
+    async with run_server(kernel="numpy", secret="4f9c2b7e1a8d3c6f0e5b9a2d7c4f1e8b") as ps:
         port = int(ps.addresses[0].rsplit(":", 1)[1])
         for data in (oversize(MsgType.HELLO, 256 * MiB), oversize(MsgType.PUSH, 8 << 30)):
             reply = await first_packet(port, data)

@@ -13,7 +13,7 @@ from rudra_async import schema, security
 from rudra_async.wire import MsgType, encode_frame
 
 LAYOUT = small_layout()
-SECRET = "s" * 32
+SECRET = "4f9c2b7e1a8d3c6f0e5b9a2d7c4f1e8b"
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "wire.md").read_text()
 
 #: wrong values for each kind of field (type violations), and range violations per field

@@ -2,21 +2,37 @@
 expose a server without one, TLS with throw-away certificates, clear client errors."""
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 
 import numpy as np
 import pytest
-from helpers import free_port, initial_weights, reap, run_cli, run_server, small_layout, start_cli, start_server
+from helpers import (
+    free_port,
+    initial_weights,
+    read_frame,
+    reap,
+    run_cli,
+    run_server,
+    small_layout,
+    start_cli,
+    start_server,
+)
 
 from rudra_async import checkpoint, security
 from rudra_async.client import Client, SyncClient
 from rudra_async.config import ServerConfig
 from rudra_async.errors import ConfigError, ConnectError, RemoteError
 from rudra_async.server import ParameterServer
+from rudra_async.wire import MsgType, encode_frame
 
 LAYOUT = small_layout()
 SECRET = "correct horse battery staple"
+
+
+def raw(msg_type, meta, arrays=()):
+    return b"".join(bytes(p) for p in encode_frame(msg_type, meta, arrays))
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +147,26 @@ async def test_a_learner_with_a_secret_refuses_a_server_that_cannot_prove_it():
             await train_briefly(ps.addresses[0], secret=SECRET)
         assert info.value.code == "auth_unavailable"
     async with run_server(kernel="numpy", secret="another secret, 32 bytes long..") as ps:
-        with pytest.raises(ConnectError, match="does not know the secret"):
+        with pytest.raises(RemoteError, match="the secrets differ") as info:  # the learner proves first
             await train_briefly(ps.addresses[0], secret=SECRET)
-        assert ps.core.store is None  # nothing reached it
+        assert info.value.code == "auth_failed" and ps.core.store is None  # nothing reached it
+
+    async def impostor(reader, writer):
+        """Takes the learner's proof and claims it is fine, without the secret to prove itself."""
+        await read_frame(reader)  # AUTH
+        writer.write(raw(MsgType.CHALLENGE, {"nonce": security.new_nonce()}))
+        await read_frame(reader)  # PROOF
+        writer.write(raw(MsgType.AUTHENTICATED, {"proof": bytes(32)}))
+        with contextlib.suppress(Exception):
+            await reader.read()
+        writer.close()
+
+    fake = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    port = fake.sockets[0].getsockname()[1]
+    with pytest.raises(ConnectError, match="does not know the secret"):
+        await train_briefly(f"tcp://127.0.0.1:{port}", secret=SECRET)
+    fake.close()
+    await fake.wait_closed()
 
 
 def test_secrets_come_from_a_file_or_the_environment_never_a_short_one(tmp_path, monkeypatch):
@@ -145,7 +178,7 @@ def test_secrets_come_from_a_file_or_the_environment_never_a_short_one(tmp_path,
     assert security.load_secret(None) == b"from the environment, long enough"
     assert security.load_secret(str(f)) == SECRET.encode()  # the file wins
     monkeypatch.setenv(security.SECRET_ENV, "short")
-    with pytest.raises(ConfigError, match="use at least 16"):
+    with pytest.raises(ConfigError, match="at least 16 are needed"):
         security.load_secret(None)
     with pytest.raises(ConfigError, match="cannot read the secret file"):
         security.load_secret(str(tmp_path / "missing"))
@@ -227,7 +260,7 @@ async def test_a_resumed_server_says_so_in_its_welcome(tmp_path):
         await client.close()
 
 
-@pytest.mark.parametrize("secret, first", [("x" * 32, "auth"), (None, "pull")])
+@pytest.mark.parametrize("secret, first", [("4f9c2b7e1a8d3c6f0e5b9a2d7c4f1e8b", "auth"), (None, "pull")])
 async def test_the_handshake_deadline_holds_from_accept_to_hello_whatever_comes_first(secret, first):
     """A peer that sends one frame of the handshake (an AUTH; without a secret, a request
     refused as not registered) and then nothing is closed once --handshake-timeout has passed

@@ -70,6 +70,10 @@ class LearnerInfo:
     last_active: float = 0.0  # when a request of it last arrived or was answered
     evicted: bool = False  # out of the protocol (hung: --learner-timeout) until it shows up again
     rejoined_at: int | None = None  # the clock it rejoined at after an eviction, until it pushes on newer weights
+    #: since when it owes a gradient: its hello or the first weights it got after its last push (None: it pushed
+    #: since); what --learner-timeout measures, so that pulling again does not keep a learner in a round it stalls
+    owes_since: float | None = None
+    reader: bool = False  # a client that only reads (HELLO's reader): never in the protocol, holds no index
     evictions: int = 0
     staleness_sum: int = 0
     slow: bool = False  # idle for too long (see ServerCore.newly_slow) until its next request
@@ -279,8 +283,9 @@ class ServerCore:
 
     def learner_count(self) -> int:
         """λ as learners should shard their data by: ``--expected-learners`` (when set), or the
-        learners connected now, and in any case above every connected learner's index."""
-        indices = [info.index for info in self.learners.values() if info.connected]
+        learners connected now (readers not counted), and in any case above every connected
+        learner's index."""
+        indices = [info.index for info in self.learners.values() if info.connected and not info.reader]
         return max(self.config.expected_learners or len(indices), 1 + max(indices, default=0))
 
     def stats(self, loss_curve: bool = True) -> dict[str, Any]:
@@ -359,20 +364,23 @@ class ServerCore:
             )
         if state is not None and self.state is None:
             self.state = RunState(state)
-        index = self._free_index(fields.get("index"))
-        info = LearnerInfo(self._next_id, fields["name"], peer, index, last_active=self._now())
+        reader = fields["reader"]
+        index = -1 if reader else self._free_index(fields.get("index"))
+        now = self._now()
+        info = LearnerInfo(self._next_id, fields["name"], peer, index, last_active=now, owes_since=now, reader=reader)
         self._next_id += 1
         self.learners[info.learner_id] = info
-        self.peak = max(self.peak, sum(1 for i in self.learners.values() if i.connected))
-        self._decide(self.protocol.join(info.learner_id))
-        self._on_change()
+        if not reader:
+            self.peak = max(self.peak, sum(1 for i in self.learners.values() if i.connected and not i.reader))
+            self._decide(self.protocol.join(info.learner_id))
+            self._on_change()
         log.info("learner %d (%s) joined from %s", info.learner_id, info.name, peer, extra=learner_extra(info))
         return info
 
     def _free_index(self, wanted: int | None) -> int:
         """``wanted`` when no connected learner holds it and it is below ``--expected-learners``
         (if set), else the lowest index no connected learner holds."""
-        held = {info.index for info in self.learners.values() if info.connected}
+        held = {info.index for info in self.learners.values() if info.connected and not info.reader}
         limit = self.config.expected_learners
         if wanted is not None and wanted not in held and (limit is None or wanted < limit):
             return wanted
@@ -405,14 +413,13 @@ class ServerCore:
         return not any(info.in_progress for info in self.learners.values() if info is not learner)
 
     def active(self, learner: LearnerInfo) -> None:
-        """A request of ``learner`` arrived: a slow learner is back; an evicted one rejoins
-        the protocol."""
+        """A request of ``learner`` arrived: a slow learner is back (an evicted one rejoins the
+        protocol only with a push: :meth:`push`, :meth:`written`)."""
         learner.busy += 1
         learner.last_active = self._now()
         if learner.slow:
             learner.slow = False
             log.info("learner %d (%s) is back", learner.learner_id, learner.name, extra=learner_extra(learner))
-        self._rejoin(learner)
 
     def written(self, learner: LearnerInfo) -> None:
         """The gradient of ``learner``'s push in hand is all written now: the push is in
@@ -439,9 +446,10 @@ class ServerCore:
 
     def evict_hung(self, now: float, timeout: float) -> list[LearnerInfo]:
         """Take out of the protocol every learner an update waits for (``waits_for``) that has
-        had its weights (no request of it in progress but a push whose gradient it still
-        writes, or a PULL parked waiting for newer weights) for more than ``timeout`` seconds
-        without pushing, so the others go on; it rejoins with its next request, or once that
+        owed a gradient (since its hello, or since the first weights it got after its last
+        push: pulling again does not count) for more than ``timeout`` seconds with no request
+        of it in progress but a push whose gradient it still writes or a PULL parked waiting
+        for newer weights, so the others go on; it rejoins with its next push, or once that
         gradient is written (a late gradient is then dropped). Not for ``async`` and
         ``softsync``, which wait for nobody."""
         if not self.protocol.waits_for_members:
@@ -453,16 +461,18 @@ class ServerCore:
             and not info.evicted
             and not info.in_progress
             and self.protocol.waits_for(info.learner_id)
-            and now - info.last_active > timeout
+            and info.owes_since is not None
+            and now - info.owes_since > timeout
         ]
         for info in hung:
             info.evicted = True
             info.evictions += 1
             log.warning(
-                "learner %d (%s) evicted from the round: nothing from it for %.1f s (--learner-timeout %g)",
+                "learner %d (%s) evicted from the round: no gradient from it for %.1f s after it got its weights "
+                "(--learner-timeout %g)",
                 info.learner_id,
                 info.name,
-                now - info.last_active,
+                now - info.owes_since,  # type: ignore[operator]
                 timeout,
                 extra=learner_extra(info),
             )
@@ -537,8 +547,12 @@ class ServerCore:
                 f"gradient norm {size.norm:.6g} is above the bound {bound:g} (--max-grad-norm)",
                 code="gradient_too_large",
             )
+        if learner.reader:
+            raise RequestError("this client said hello as a reader: it cannot push", code="read_only")
         if "lr" in fields:  # a scheduler's rates, in force from the next update computed
             self.rates = tuple(float(r) for r in fields["lr"])
+        self._rejoin(learner)  # an evicted learner's push brings it back (pulls do not)
+        learner.owes_since = None
         loss = fields.get("loss")
         if loss is not None and math.isfinite(loss) and len(self.losses) < MAX_LOSSES:
             self.losses.append((self.clock, float(loss)))
@@ -578,7 +592,10 @@ class ServerCore:
         return list(state.values or []) if fields["reply"] else []
 
     def pulled(self, learner: LearnerInfo, clock: int) -> None:
-        """The learner received the weights of ``clock`` and computes on them."""
+        """The learner received the weights of ``clock`` and computes on them (it owes a
+        gradient from the first weights it got after its last push)."""
+        if learner.owes_since is None:
+            learner.owes_since = self._now()
         self._decide(self.protocol.pulled(learner.learner_id, clock))
 
     # -- checkpoints --------------------------------------------------------------------------

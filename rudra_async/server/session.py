@@ -158,6 +158,8 @@ class Session:
                     if learner is not None:
                         self.core.idle(learner)
         finally:
+            if self.state is State.CHALLENGED:  # a peer that took a challenge and never proved anything
+                self.server.refused("auth_abandoned", f"{self.conn.peer}: left the handshake after its CHALLENGE")
             self.state = State.CLOSED
             if self.learner is not None:
                 self.core.leave(self.learner, clean=self.said_bye)
@@ -285,12 +287,12 @@ class Session:
 
     # -- handlers, one per (state, message type) --------------------------------------------
     async def _auth(self, frame: Frame) -> None:
+        """The server's nonce, and nothing derived from the secret: the learner proves first
+        (a proof from the server to any peer would let it test guesses of the secret offline)."""
         fields = self._fields(frame)
-        assert self.secret is not None
         self._client_nonce, self._server_nonce = fields["nonce"], security.new_nonce()
-        proof = security.server_proof(self.secret, self._client_nonce, self._server_nonce)
         self.state = State.CHALLENGED
-        await self._reply(MsgType.CHALLENGE, {"nonce": self._server_nonce, "proof": proof}, frame.meta)
+        await self._reply(MsgType.CHALLENGE, {"nonce": self._server_nonce}, frame.meta)
 
     async def _proof(self, frame: Frame) -> None:
         fields = self._fields(frame)
@@ -299,7 +301,8 @@ class Session:
         if not security.verify(expected, fields["proof"]):
             raise RequestError("wrong proof: the learner does not know the server's secret", code="auth_failed")
         self.state = State.AWAITING_HELLO
-        await self._reply(MsgType.AUTHENTICATED, {}, frame.meta)
+        proof = security.server_proof(self.secret, self._client_nonce, self._server_nonce)
+        await self._reply(MsgType.AUTHENTICATED, {"proof": proof}, frame.meta)
 
     async def _hello(self, frame: Frame) -> None:
         first = self.core.store is None  # the initial weights come with this HELLO
