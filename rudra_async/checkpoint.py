@@ -90,9 +90,11 @@ class Checkpoint:
         return hi - lo
 
 
-def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
+def save(path: str | os.PathLike[str], ckpt: Checkpoint, keep: int = 1) -> None:
     """Write ``ckpt`` to ``path`` atomically (blocking; servers call it from a thread).
-    The arrays are written from their own memory, without copies."""
+    The arrays are written from their own memory, without copies. ``keep`` > 1 keeps the
+    ``keep`` − 1 files before it too: the previous ``path`` becomes ``path.1``, that one
+    ``path.2``, ... (``path`` itself is never missing meanwhile)."""
     path = os.fspath(path)
     arrays = [np.ascontiguousarray(a, np.float32).reshape(-1) for a in (ckpt.weights, ckpt.momentum)]
     if any(a.size != ckpt.size for a in arrays):
@@ -137,6 +139,7 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
             os.fsync(f.fileno())
             with contextlib.suppress(OSError):  # mkstemp made it 0600; give it what open() would
                 os.fchmod(f.fileno(), 0o666 & ~_UMASK)
+            _keep_previous(path, keep, directory, prefix)
             os.replace(tmp, path)
         _fsync_directory(directory)
     except BaseException as exc:
@@ -148,6 +151,22 @@ def save(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
         if isinstance(exc, (ValueError, TypeError, OverflowError)):  # metadata msgpack cannot encode
             raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
         raise
+
+
+def _keep_previous(path: str, keep: int, directory: str, prefix: str) -> None:
+    """Before ``path`` is replaced: ``path.(k−1)`` becomes ``path.k`` for k = keep − 1 … 2,
+    and ``path`` becomes ``path.1`` through a hard link (named as a save's temporary, so a
+    cleanup removes it if a crash leaves it), so that ``path`` is never missing."""
+    if keep < 2 or not os.path.exists(path):
+        return
+    for k in range(keep - 1, 1, -1):
+        if os.path.exists(f"{path}.{k - 1}"):
+            os.replace(f"{path}.{k - 1}", f"{path}.{k}")
+    fd, link = tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
+    os.close(fd)
+    os.unlink(link)
+    os.link(path, link)
+    os.replace(link, f"{path}.1")
 
 
 def _meta_crc(meta: dict[str, Any]) -> int:

@@ -17,9 +17,21 @@ from .errors import ConfigError, RudraError
 from .eventloop import run as run_loop
 from .options import click_options, from_flat, nearest, read_file, to_flat
 
+#: how the command logs (``--log-format``): its own stderr lines follow it
+_log_format = "text"
+
+
+def _say(text: str, level: int = logging.INFO, **fields: Any) -> None:
+    """A line for stderr: as it is, or with ``--log-format json`` a log record (``fields``
+    become its keys), so that every stderr line of a command is then one JSON object."""
+    if _log_format == "json":
+        logging.getLogger("rudra_async.cli").log(level, "%s", text, extra=fields)
+    else:
+        click.echo(text, err=True)
+
 
 def _fail(exc: BaseException) -> None:
-    click.echo(f"error: {exc}", err=True)
+    _say(f"error: {exc}", logging.ERROR, code=getattr(exc, "code", None))
     sys.exit(2)
 
 
@@ -30,6 +42,8 @@ def main(log_level: str, log_format: str) -> None:
     """rudra-async: an asyncio parameter server for distributed deep learning."""
     from .logs import configure
 
+    global _log_format
+    _log_format = log_format
     configure(log_level, log_format)
     os.environ["RUDRA_ASYNC_LOG_FORMAT"] = log_format  # learner processes a run starts log alike
     for name in unknown_variables(os.environ):
@@ -92,9 +106,13 @@ def server(**kwargs: Any) -> None:
     async def serve(cfg: ServerConfig) -> None:
         async with ParameterServer(cfg) as ps:
             ps.close_on_signals()
-            click.echo(f"listening on {' '.join(ps.addresses)}", err=True)
+            _say(f"listening on {' '.join(ps.addresses)}", addresses=ps.addresses)
             await ps.serve()
-        click.echo(json.dumps(ps.stats()), err=True)  # after close: includes the final checkpoint
+        stats = ps.stats()  # after close: includes the final checkpoint
+        if _log_format == "json":
+            _say("final statistics", statistics=stats)
+        else:
+            _say(json.dumps(stats))
 
     try:
         cfg = _config(ServerConfig, kwargs)
@@ -135,7 +153,7 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
     """Start a server and λ learner processes here, train, and report accuracy, time and staleness."""
     from .runs.train import train as run_train
 
-    progress = None if quiet else (lambda line: click.echo(line, err=True))
+    progress = None if quiet else _say
     if logging.getLogger().level > logging.DEBUG:  # joins and leaves are noise in a local run
         logging.getLogger("rudra_async.server").setLevel(logging.WARNING)
     try:
@@ -151,7 +169,11 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
         f"staleness mean {out['staleness_mean']:.2f}  max {out['staleness_max']}  histogram {out['staleness_histogram']}"
     )
     if out["learners_failed"]:
-        click.echo(f"warning: learners {out['learners_failed']} failed; the run finished with the others", err=True)
+        _say(
+            f"warning: learners {out['learners_failed']} failed; the run finished with the others",
+            logging.WARNING,
+            learners_failed=out["learners_failed"],
+        )
     if results:
         try:
             with open(results, "w") as fh:
@@ -192,7 +214,7 @@ def secret(path: str) -> None:
         write_secret(path)
     except RudraError as exc:
         _fail(exc)
-    click.echo(f"wrote a new secret to {path} (readable by you only); give it with --secret-file {path}", err=True)
+    _say(f"wrote a new secret to {path} (readable by you only); give it with --secret-file {path}")
 
 
 @main.command()
@@ -243,7 +265,7 @@ def study(spec: str, output: str | None, no_report: bool) -> None:
 
     logging.getLogger("rudra_async.server").setLevel(logging.WARNING)
     try:
-        out = run_study(spec, output, progress=lambda line: click.echo(line, err=True), report=not no_report)
+        out = run_study(spec, output, progress=_say, report=not no_report)
     except RudraError as exc:
         _fail(exc)
     click.echo(str(out / "report.md") if not no_report else str(out / "results.jsonl"))
@@ -256,16 +278,19 @@ def study(spec: str, output: str | None, no_report: bool) -> None:
     "--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds between redraws."
 )
 @click.option("--count", type=click.IntRange(min=1), default=None, help="Redraw this many times, then exit.")
-def status(address: str, as_json: bool, interval: float, count: int | None) -> None:
+@click.option("--token-file", default=None, type=click.Path(dir_okay=False), help="The server's --metrics-token-file.")
+def status(address: str, as_json: bool, interval: float, count: int | None, token_file: str | None) -> None:
     """Watch a running server: a live table of its clock, updates/s, learners and staleness.
     ADDRESS is its --metrics address (HOST:PORT, PORT, or the URL an application serves it under)."""
     from .monitor.view import fetch, status_url, watch
+    from .security import load_token
 
     try:
+        token = load_token(token_file) if token_file else None
         if as_json:
-            click.echo(json.dumps(fetch(status_url(address))))
+            click.echo(json.dumps(fetch(status_url(address), token=token)))
         else:
-            watch(address, interval, count)
+            watch(address, interval, count, token)
     except RudraError as exc:
         _fail(exc)
 

@@ -30,8 +30,9 @@ from .errors import (
     RemoteError,
     RequestError,
     RudraError,
+    ServerBusy,
     TransportError,
-    Unreachable,
+    TryLater,
     quoted,
 )
 from .eventloop import PrivateLoop, run_sync
@@ -222,6 +223,7 @@ class Client:
             index=index,
             state=state,
             reader=reader,
+            tls=tls,
         )
 
     @classmethod
@@ -240,11 +242,13 @@ class Client:
         index: int | None = None,
         state: StateLayout | None = None,
         reader: bool = False,
+        tls: ssl.SSLContext | None = None,
     ) -> Client:
-        """Authenticate (with a secret) and register on an open connection (see :meth:`connect`);
-        the connection is closed on failure."""
+        """Authenticate (with a secret) and register on an open connection (see :meth:`connect`;
+        ``tls``: the context the connection was made with, for clearer errors); the connection
+        is closed on failure."""
         key = security.resolve_secret(secret)
-        where = url or conn.peer
+        where = _Where(url or conn.peer, tls)
         try:
             if key is not None:
                 await _authenticate(conn, key, where, timeout)
@@ -398,31 +402,56 @@ class Client:
         self.conn.close()
 
 
+@dataclass(frozen=True)
+class _Where:
+    """Whom a handshake talks to: the URL, and the TLS context if any (for the errors)."""
+
+    url: str
+    tls: ssl.SSLContext | None = None
+
+    def __str__(self) -> str:
+        return self.url
+
+    def cut(self, expected: str, exc: Exception) -> ConnectError:
+        """The error for a server that closed the connection before its ``expected`` reply."""
+        if self.tls is not None and not security.has_client_certificate(self.tls):
+            return ConnectError(
+                f"{self.url} closed the TLS connection before its {expected} ({exc}): it requires a client "
+                "certificate, most likely: give --tls-cert and --tls-key, a certificate its --tls-client-ca signed"
+            )
+        secret = "if it requires a secret, give --secret-file or RUDRA_ASYNC_SECRET"
+        tls = "" if self.tls is not None else "if it uses TLS, connect with a CA (--tls-ca); "
+        return TryLater(  # a full server may close before its ERROR is read: worth trying again
+            f"{self.url} closed the connection before its {expected} ({exc}); it may be full (then try again "
+            f"later); {tls}{secret}"
+        )
+
+
 async def _exchange(
     conn: Channel,
     msg_type: MsgType,
     meta: dict[str, Any],
     arrays: Sequence[np.ndarray],
-    url: str,
+    where: _Where,
     timeout: float,
     expected: str,
 ) -> Frame:
     """Send a request of the handshake and return its reply, within ``timeout``; clear
     errors for silence and for a server that hangs up (e.g. a TLS server spoken to in
-    plain text, or a server that wants a secret)."""
+    plain text, or a server that wants a secret or a client certificate)."""
     try:
         await conn.send(msg_type, meta, arrays)
+    except PeerGone:
+        pass  # it hung up before this request: why (a full server's ERROR), if it said, is read next
+    try:
         return await _within(conn, conn.recv(), timeout)
     except (TimeoutError, asyncio.TimeoutError):
-        raise ConnectError(f"{url} sent no {expected} within {timeout:g} s (is it a rudra-async server?)") from None
+        raise ConnectError(f"{where} sent no {expected} within {timeout:g} s (is it a rudra-async server?)") from None
     except PeerGone as exc:
-        raise ConnectError(
-            f"{url} closed the connection before its {expected} ({exc}); if it uses TLS, connect with a CA "
-            "(--tls-ca); if it requires a secret, give --secret-file or RUDRA_ASYNC_SECRET"
-        ) from None
+        raise where.cut(expected, exc) from None
 
 
-async def _authenticate(conn: Channel, secret: bytes, url: str, timeout: float) -> None:
+async def _authenticate(conn: Channel, secret: bytes, url: _Where, timeout: float) -> None:
     """The handshake of docs/wire.md: prove we know the secret, then make the server prove it."""
     nonce = security.new_nonce()
     reply = _check(
@@ -454,12 +483,17 @@ def _check(frame: Frame, expected: MsgType, auth_hint: bool = False) -> Frame:
             message += "; this learner has a secret and will not talk to a server that cannot prove it knows it"
         elif code == "shutting_down":  # the server is going away: the connection is lost, and here is why
             raise PeerGone(message)
+        elif code in BUSY:
+            raise ServerBusy(f"the server is busy: {message} (it may take the connection later)", reason=code)
         raise RemoteError(message, code=code)
     if frame.msg_type != expected:
         frame.release()
         raise RudraError(f"expected {expected.name}, got message type {frame.msg_type}")
     return frame
 
+
+#: the codes of a server that had no room for the connection (:class:`ServerBusy`)
+BUSY = frozenset({"too_many_connections", "evicted"})
 
 #: WELCOME fields that differ from shard to shard of one group by design
 PER_SHARD = frozenset(
@@ -673,8 +707,8 @@ class SyncClient:
     def __init__(
         self, url: str, layout: Layout, initial: np.ndarray | None = None, *, wait: float = 0.0, **kwargs: Any
     ) -> None:
-        """``wait``: seconds to keep trying while nothing answers at ``url`` (a server not up
-        yet: :class:`~rudra_async.errors.Unreachable`); other failures are raised at once.
+        """``wait``: seconds to keep trying while the server cannot take the connection (not up
+        yet, or full: :class:`~rudra_async.errors.TryLater`); other failures are raised at once.
         ``kwargs``: :meth:`Client.connect`'s."""
         self._loop: PrivateLoop | None = None
         self._run: Callable[[Coroutine[Any, Any, Any]], Any] = run_sync
@@ -688,13 +722,13 @@ class SyncClient:
             raise
 
     def _connect_within(self, wait: float, retry_every: float = 0.25) -> Client | ShardedClient:
-        """:meth:`_connect`, again while the server is :class:`~rudra_async.errors.Unreachable`,
-        for up to ``wait`` seconds."""
+        """:meth:`_connect`, again while the server cannot take the connection now
+        (:class:`~rudra_async.errors.TryLater`: not up yet, or full), for up to ``wait`` seconds."""
         deadline = time.monotonic() + wait
         while True:
             try:
                 return self._connect()
-            except Unreachable as exc:
+            except TryLater as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
@@ -739,7 +773,7 @@ class SyncClient:
             client: Client | ShardedClient = self._loop.run(connect(url, layout, initial, **kwargs))
             return client
         self._run = run_sync
-        hello_kwargs = {k: v for k, v in kwargs.items() if k not in ("limits", "tls")}
+        hello_kwargs = {k: v for k, v in kwargs.items() if k != "limits"}
         channel.settimeout(timeout)  # the deadline of the hello
         client = run_sync(Client.hello(channel, layout, initial, url=url, **hello_kwargs))
         channel.settimeout(None)

@@ -22,6 +22,7 @@ from .layout import Shard
 from .learner.tensorboard import check_directory
 from .lr import MAX_WINDOW
 from .options import check_ranges, flat_fields, section, setting
+from .security import is_loopback_host
 from .wire import DEFAULT_MAX_BODY
 
 __all__ = [
@@ -75,7 +76,7 @@ class ServerConfig:
 
     listen: list[str] = setting(factory=lambda: [DEFAULT_LISTEN], help="Address to listen on (repeatable).")
     protocol: str = setting("async", "hardsync | softsync | async | bounded | backup | a plugin's name | module:Class.")
-    n: int | None = setting(None, "softsync: c = ⌊λ/n⌋ gradients per update (1 ≤ n ≤ λ).", low=1)
+    n: int | None = setting(None, "softsync: c = max(1, ⌊λ/n⌋) gradients per update (1 ≤ n ≤ λ).", low=1)
     staleness_bound: int | None = setting(None, "bounded: no gradient applied with σ > this.", low=0)
     backup: int | None = setting(None, "backup: update after λ − b gradients, drop the late b.", low=0)
     protocol_options: dict[str, Any] = setting(
@@ -121,6 +122,12 @@ class ServerConfig:
     )
     max_grad_norm: float | None = setting(
         None, "Refuse a pushed gradient whose L2 norm is above this (gradient_too_large).", above=0
+    )
+    grad_outlier_factor: float = setting(
+        1000.0,
+        "Refuse a pushed gradient whose max |g| is above this many times the median max |g| of the last 256 "
+        "gradients accepted, once 32 have been (gradient_outlier; 0: off).",
+        low=0,
     )
     secret_file: str | None = setting(
         None,
@@ -179,6 +186,12 @@ class ServerConfig:
         metavar="FILE",
     )
     checkpoint_every: int | None = setting(None, "Also write the checkpoint every this many updates.", low=1)
+    checkpoint_keep: int = setting(
+        2,
+        "Checkpoint files kept: FILE, then FILE.1 (the one before it), FILE.2, ... (1: FILE alone).",
+        low=1,
+        high=100,
+    )
     resume: str | None = setting(
         None,
         "Start from this checkpoint instead of the first learner's weights ({shard} in the name "
@@ -198,6 +211,15 @@ class ServerConfig:
         "Shard I of a group serves at PORT + I.",
         metavar="ADDRESS",
     )
+    metrics_token_file: str | None = setting(
+        None,
+        "File holding a token that requests to --metrics must send (Authorization: Bearer TOKEN); needed for a "
+        "--metrics address other hosts can reach, unless --metrics-insecure.",
+        metavar="FILE",
+    )
+    metrics_insecure: bool = setting(
+        False, "Serve --metrics to other hosts without a token (its pages show learners' addresses and names)."
+    )
     slow_after: float = setting(
         60.0, "Warn when a connected learner sends nothing for this many seconds (not waiting on the server).", above=0
     )
@@ -211,7 +233,13 @@ class ServerConfig:
         if not isinstance(self.shard, Shard):
             raise ConfigError(f"shard must be a Shard (e.g. Shard.parse('0/2')), got {self.shard!r}")
         if self.metrics is not None:
-            parse_http_address(self.metrics)
+            host, _ = parse_http_address(self.metrics)
+            if not (is_loopback_host(host) or self.metrics_token_file or self.metrics_insecure):
+                raise ConfigError(
+                    f"--metrics {self.metrics} can be reached from other hosts, and its pages show the learners' "
+                    "addresses and names: protect it with --metrics-token-file FILE (rudra-async secret FILE makes "
+                    "one), or say --metrics-insecure"
+                )
         if self.checkpoint_every is not None and not self.checkpoint:
             raise ConfigError("--checkpoint-every needs --checkpoint")
         if (self.tls_key or self.tls_client_ca) and not self.tls_cert:

@@ -24,7 +24,9 @@ __all__ = [
     "RemoteError",
     "RequestError",
     "RudraError",
+    "ServerBusy",
     "TransportError",
+    "TryLater",
     "Unreachable",
     "UpdateFailed",
     "WireError",
@@ -130,11 +132,30 @@ class ConnectError(TransportError):
     code = "connect"
 
 
-class Unreachable(ConnectError):
+class TryLater(ConnectError):
+    """The server could not take this connection now, and may later: a learner with
+    ``--reconnect`` (``reconnect=``, ``SyncClient(wait=)``) tries again."""
+
+    code = "try_later"
+
+
+class Unreachable(TryLater):
     """Nothing answered at the address (connection refused, no such name, no answer within
     the timeout): the server may not be up yet."""
 
     code = "unreachable"
+
+
+class ServerBusy(TryLater):
+    """The server refused the connection for want of room (``--max-connections``, or it
+    closed the oldest of too many connections that had not said hello): its ERROR's code
+    (``too_many_connections``, ``evicted``) is :attr:`reason`."""
+
+    code = "server_busy"
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class CheckpointError(RudraError):

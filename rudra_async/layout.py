@@ -23,6 +23,7 @@ __all__ = [
 
 
 MAX_TENSOR_DIMS = 32  # dimensions of a tensor, and of a wire segment (numpy 1.x's limit; numpy 2 allows 64)
+MAX_NAME = 1024  # characters of a tensor's name (PyTorch's are dotted paths: tens of characters)
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,15 @@ class Layout:
                 isinstance(item, list)
                 and len(item) == 2
                 and isinstance(item[0], str)
+                and len(item[0]) <= MAX_NAME
                 and isinstance(item[1], list)
                 and len(item[1]) <= MAX_TENSOR_DIMS
                 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in item[1])
             )
             if not ok:
                 raise RequestError(
-                    f"bad layout entry {quoted(item)}; expected [name, shape], at most {MAX_TENSOR_DIMS} sizes >= 0",
+                    f"bad layout entry {quoted(item)}; expected [name, shape], a name of at most {MAX_NAME} "
+                    f"characters and at most {MAX_TENSOR_DIMS} sizes >= 0",
                     code="bad_layout",
                 )
             items.append((item[0], tuple(item[1])))

@@ -21,13 +21,12 @@ from typing import Any
 import numpy as np
 
 from .errors import RequestError, quoted
-from .layout import MAX_TENSOR_DIMS
+from .layout import MAX_NAME, MAX_TENSOR_DIMS
 from .wire import ALLOWED_DTYPES, MAX_SEGMENTS
 
 __all__ = ["KINDS", "RunState", "StateLayout", "StateTensor"]
 
 KINDS = ("frozen", "buffer")
-MAX_STATE_NAME = 1024  # characters of a state tensor's name
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class StateLayout:
                 isinstance(item, list)
                 and len(item) == 4
                 and isinstance(item[0], str)
-                and 0 < len(item[0]) <= MAX_STATE_NAME
+                and 0 < len(item[0]) <= MAX_NAME
                 and item[1] in ALLOWED_DTYPES
                 and isinstance(item[2], list)
                 and len(item[2]) <= MAX_TENSOR_DIMS

@@ -25,6 +25,7 @@ import os
 import secrets
 import ssl
 import stat
+import weakref
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -36,7 +37,9 @@ __all__ = [
     "client_proof",
     "client_tls",
     "is_loopback",
+    "is_loopback_host",
     "load_secret",
+    "load_token",
     "new_nonce",
     "resolve_secret",
     "server_proof",
@@ -125,6 +128,17 @@ def load_secret(path: str | None = None, env: Mapping[str, str] | None = None) -
     return None
 
 
+def load_token(path: str) -> bytes:
+    """A bearer token (``--metrics-token-file``, ``--token-file``): the file's contents,
+    stripped, held to the rules of a secret (:func:`weakness`)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(1 << 16)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+    return _checked(data, path)
+
+
 def resolve_secret(secret: bytes | str | None, path: str | None = None) -> bytes | None:
     """The secret an API call uses: ``secret`` when given (bytes or text), else
     :func:`load_secret` of ``path`` and the environment."""
@@ -171,9 +185,19 @@ def client_tls(ca: str, cert: str | None = None, key: str | None = None) -> ssl.
     _load_ca(ctx, ca)
     if cert:
         _load_chain(ctx, cert, key)
+        _WITH_CERTIFICATE.add(ctx)
     elif key:
         raise ConfigError("--tls-key needs --tls-cert")
     return ctx
+
+
+#: the client contexts :func:`client_tls` gave a certificate (ssl has no way to ask a context)
+_WITH_CERTIFICATE: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
+
+
+def has_client_certificate(ctx: ssl.SSLContext) -> bool:
+    """Whether ``ctx`` was made by :func:`client_tls` with a client certificate."""
+    return ctx in _WITH_CERTIFICATE
 
 
 def _load_chain(ctx: ssl.SSLContext, cert: str, key: str | None) -> None:
@@ -191,6 +215,16 @@ def _load_ca(ctx: ssl.SSLContext, ca: str) -> None:
 
 
 # -- addresses ------------------------------------------------------------------------------
+def is_loopback_host(host: str) -> bool:
+    """Whether only this host can reach ``host``: a loopback address or ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def is_loopback(url: str) -> bool:
     """True when only this host can reach ``url``: a tcp (or ucx) address on a loopback
     address or ``localhost``, or a same-host scheme (``shm``, ``memory``). UCX listens on
@@ -198,12 +232,4 @@ def is_loopback(url: str) -> bool:
     parts = urlsplit(url)
     if parts.scheme in ("shm", "memory"):
         return True
-    if parts.scheme != "tcp":
-        return False
-    host = parts.hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return parts.scheme == "tcp" and is_loopback_host(parts.hostname or "")

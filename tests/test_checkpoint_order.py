@@ -21,13 +21,13 @@ def slow_first_save(monkeypatch) -> threading.Event:
     """The next checkpoint.save takes 0.3 s longer (a slow disk); the event is set once it is done."""
     done, real, calls = threading.Event(), checkpoint.save, []
 
-    def save(path, snapshot):
+    def save(path, snapshot, *args):
         calls.append(path)
         if len(calls) > 1:
-            real(path, snapshot)
+            real(path, snapshot, *args)
             return
         time.sleep(0.3)
-        real(path, snapshot)
+        real(path, snapshot, *args)
         done.set()
 
     monkeypatch.setattr(checkpoint, "save", save)

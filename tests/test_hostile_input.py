@@ -148,11 +148,16 @@ async def test_a_reply_that_cannot_be_encoded_is_answered_with_an_error_without_
 
 
 def layout_taking(nbytes: int) -> list:
-    """A one-tensor layout of 16 values whose WELCOME echo (layout and no groups) takes ``nbytes``."""
-    name_len = 70_000  # a str32 header either way
-    k = nbytes - (len(msgpack.packb([[["x" * name_len, [N]]], []])) - name_len)
-    layout = [["x" * k, [N]]]
-    assert len(msgpack.packb([layout, []])) == nbytes
+    """A layout of 16 values whose WELCOME echo (layout and no groups) takes ``nbytes``: empty
+    tensors with names of 1,000 characters, then two whose names (of 256 to 1,024 characters,
+    a str16 header: each entry takes its name's length + 6 bytes) make up the rest."""
+    count = (nbytes - 1000) // 1006  # leaves 1,000 to 2,006 bytes for the last two
+    filler = [[f"{i:06d}" + "x" * 994, [0]] for i in range(count)]
+    shell = len(msgpack.packb([[*filler, ["a" * 300, [0]], ["b" * 300, [N]]], []])) - 600
+    rest = nbytes - shell  # for the two names
+    first = rest // 2
+    layout = [*filler, ["a" * first, [0]], ["b" * (rest - first), [N]]]
+    assert len(msgpack.packb([layout, []])) == nbytes and 256 <= first <= rest - first <= 1024, (nbytes, rest)
     return layout
 
 

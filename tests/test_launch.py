@@ -2,9 +2,11 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
-from helpers import free_port, free_port_run, last_json, reap, run_cli, start_cli
+from helpers import free_port, free_port_run, last_json, reap, run_cli, start_cli, subprocess_env
 
 from rudra_async import ConfigError
 from rudra_async.config import LaunchConfig, ServerConfig
@@ -146,3 +148,19 @@ def test_a_server_whose_learners_never_come_ends_after_the_wait(tmp_path):
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["updates"] == 0 and "0 of 2 learners came" in run.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_torchrun_runs_a_job_as_the_readme_shows(tmp_path):
+    """`torchrun --no-python rudra-async launch ...` (the README's form: torchrun otherwise runs
+    its argument as a Python file, and rudra-async is a console script)."""
+    bindir = os.path.dirname(sys.executable)
+    command = [os.path.join(bindir, "torchrun"), "--standalone", "--nproc-per-node", "3", "--no-python"]
+    command += ["rudra-async", "launch", "--rendezvous", str(tmp_path), "--servers", "1", "--steps", "20"]
+    command += ["--advertise", "127.0.0.1", "--listen-host", "127.0.0.1"]
+    env = {**subprocess_env(), "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    roles = sorted(r["role"] for r in results)
+    assert roles == ["learner", "learner", "server"], proc.stdout
+    assert next(r for r in results if r["role"] == "server")["updates"] == 40

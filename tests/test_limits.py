@@ -187,8 +187,9 @@ async def test_connections_beyond_the_limits_are_closed_and_counted():
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
         await asyncio.sleep(0.1)
         assert ps.core.rejected["evicted"] == 2  # a new one closes the oldest of those without hello
-        for reader, _ in idle[:2]:
-            assert await asyncio.wait_for(reader.read(), 5) == b""
+        for reader, _ in idle[:2]:  # told why (one ERROR frame), then closed
+            told = await asyncio.wait_for(reader.read(), 5)
+            assert told[:4] == b"RDRA" and b"evicted" in told
         learners = [await Client.connect(ps.addresses[0], layout, np.zeros(4, np.float32)) for _ in range(2)]
         more = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
         await asyncio.sleep(0.1)

@@ -126,7 +126,7 @@ async def test_a_blocking_client_over_tls_trains_and_never_busy_polls(pki):
 async def test_tls_client_certificates_when_the_server_asks(pki):
     async with tls_server(pki, client_ca="ca.pem") as ps:
         url = ps.addresses[0]
-        with pytest.raises(ConnectError):
+        with pytest.raises(ConnectError, match="requires a client certificate, most likely: give --tls-cert"):
             await train_briefly(url, tls=security.client_tls(pki["ca.pem"]))  # no client certificate
         both = security.client_tls(pki["ca.pem"], pki["host.pem"], pki["host.key"])
         assert await train_briefly(url, tls=both, secret=None) == 3

@@ -84,16 +84,17 @@ class Monitor:
             self._sample()
             self._sampler = asyncio.ensure_future(self._sample_forever())
 
-    async def serve(self, address: str) -> str:
+    async def serve(self, address: str, token: bytes | None = None) -> str:
         """Start sampling and serve ``/metrics``, ``/`` and ``/status.json`` over HTTP at
-        ``address`` (``HOST:PORT`` or ``PORT``); returns the base URL (the real port)."""
+        ``address`` (``HOST:PORT`` or ``PORT``), to requests carrying ``token`` (as
+        ``Authorization: Bearer TOKEN``) when given; returns the base URL (the real port)."""
         from ..config import parse_http_address
         from .http import HttpServer
 
         self.registry  # noqa: B018 (fail now, not at the first scrape, without prometheus-client)
         await self.start()
         try:
-            self._http = HttpServer(self.route)
+            self._http = HttpServer(self.route, token)
             await self._http.start(*parse_http_address(address))
         except BaseException:
             await self.close()  # the sampler too

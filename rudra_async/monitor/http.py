@@ -14,6 +14,7 @@ so clients fetching in a loop cost the loop little more than their connections.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -32,14 +33,23 @@ TIMEOUT_S = 10.0  # to take the answer
 MAX_CONNECTIONS = 32
 #: a path's 200 answer is reused for this long (seconds) before it is rendered again
 RENDER_EVERY_S = 0.1
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+}
 
 
 class HttpServer:
-    """Answers GET/HEAD requests with ``route(path)``."""
+    """Answers GET/HEAD requests with ``route(path)``; with a ``token``, only requests that
+    carry it (``Authorization: Bearer TOKEN``, compared in constant time), others 401."""
 
-    def __init__(self, route: Route) -> None:
+    def __init__(self, route: Route, token: bytes | None = None) -> None:
         self.route = route
+        self.token = token
         self.url = ""
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -80,9 +90,10 @@ class HttpServer:
         try:
             status, ctype, body, head = await self._answer(reader)
             self._waiting.pop(task, None)
+            challenge = 'WWW-Authenticate: Bearer realm="rudra-async"\r\n' if status == 401 else ""
             writer.write(
                 f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Cache-Control: no-store\r\nConnection: close\r\n\r\n".encode("latin-1")
+                f"{challenge}Cache-Control: no-store\r\nConnection: close\r\n\r\n".encode("latin-1")
             )
             if not head:
                 writer.write(body)
@@ -118,6 +129,8 @@ class HttpServer:
         method, target = parts[0], parts[1]
         if method not in ("GET", "HEAD"):
             return 405, plain, b"only GET and HEAD\n", False
+        if self.token is not None and not _carries(request, self.token):
+            return 401, plain, b"this server's metrics need its token (Authorization: Bearer TOKEN)\n", method == "HEAD"
         try:
             path = urlsplit(target).path
         except ValueError:  # e.g. an unclosed [IPv6 bracket
@@ -139,3 +152,13 @@ class HttpServer:
         if answer[0] == 200:
             self._rendered[path] = (now, answer)
         return answer
+
+
+def _carries(request: bytes, token: bytes) -> bool:
+    """Whether the request's headers hold ``Authorization: Bearer <token>`` (constant-time)."""
+    for line in request.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"authorization":
+            scheme, _, given = value.strip().partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
+    return False

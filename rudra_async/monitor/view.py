@@ -41,13 +41,15 @@ def status_url(address: str) -> str:
     return address.rstrip("/") + "/status.json"
 
 
-def fetch(url: str, timeout: float = 5.0) -> dict[str, Any]:
-    """One snapshot, or ConnectError saying why not."""
+def fetch(url: str, timeout: float = 5.0, token: bytes | None = None) -> dict[str, Any]:
+    """One snapshot (sending ``token`` as a bearer token, if given), or ConnectError saying why not."""
+    request = urllib.request.Request(url, headers={"Authorization": "Bearer " + token.decode()} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             data = json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        raise ConnectError(f"{url} answered {exc.code} {exc.reason}") from None
+        hint = ": give its token with --token-file" if exc.code == 401 else ""
+        raise ConnectError(f"{url} answered {exc.code} {exc.reason}{hint}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ConnectError(f"cannot reach {url}: {reason}") from None
@@ -185,7 +187,7 @@ def render(s: dict[str, Any], width: int = 120) -> Any:
     return Group(*parts)
 
 
-def watch(address: str, interval: float = 1.0, count: int | None = None) -> None:
+def watch(address: str, interval: float = 1.0, count: int | None = None, token: bytes | None = None) -> None:
     """Redraw the view of ``address`` every ``interval`` seconds (``count`` times, or until Ctrl-C)."""
     from rich.console import Console
     from rich.live import Live
@@ -193,13 +195,13 @@ def watch(address: str, interval: float = 1.0, count: int | None = None) -> None
 
     url = status_url(address)
     console = Console()
-    with Live(render(fetch(url), console.width), console=console, auto_refresh=False) as live:
+    with Live(render(fetch(url, token=token), console.width), console=console, auto_refresh=False) as live:
         shown = 1
         try:
             while count is None or shown < count:
                 time.sleep(interval)
                 try:
-                    live.update(render(fetch(url), console.width), refresh=True)
+                    live.update(render(fetch(url, token=token), console.width), refresh=True)
                 except ConnectError as exc:
                     live.update(Text(f"{exc} (retrying every {interval:g} s)", style="red"), refresh=True)
                 shown += 1

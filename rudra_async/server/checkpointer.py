@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -83,12 +84,37 @@ class Checkpointer:
 
     async def final(self, clock: int | None) -> None:
         """At close: let a periodic checkpoint in flight finish, then write the state at
-        ``clock`` (None: nothing to write) unless the newest file already holds it."""
+        ``clock`` (None: nothing to write) unless the newest file already holds it. If it
+        cannot be written (a full disk), the model is written to a fallback file
+        (:func:`fallback_paths`) before the error, which says where, is raised."""
         self._closing = True
         await self.settled()
         if self.path and clock is not None and self._newest != (self.path, clock):
             try:
                 await self._write(self.path)
-            except CheckpointError:
+            except CheckpointError as exc:
                 self.stats["failed"] += 1
-                raise
+                rescue = await self._rescue(self.path)
+                if rescue is None:
+                    raise
+                raise CheckpointError(f"{exc}; the model was written to {rescue} instead") from None
+
+    async def _rescue(self, path: str) -> str | None:
+        """Write the final checkpoint to the first fallback that takes it; its path, or None."""
+        for candidate in fallback_paths(path):
+            try:
+                await self._write(candidate)
+            except CheckpointError as exc:
+                log.error("the fallback checkpoint %s failed too: %s", candidate, exc)
+                continue
+            log.error("the final checkpoint could not be written to %s; it is in %s", path, candidate)
+            return candidate
+        return None
+
+
+def fallback_paths(path: str) -> list[str]:
+    """Where a final checkpoint goes when ``path`` cannot take it: the temporary directory
+    ($TMPDIR, else /tmp), then the home directory, as ``rudra-async-rescue-PID-NAME``."""
+    name = f"rudra-async-rescue-{os.getpid()}-{os.path.basename(path)}"
+    directories = dict.fromkeys([tempfile.gettempdir(), os.path.expanduser("~")])
+    return [os.path.join(d, name) for d in directories if os.path.dirname(os.path.abspath(path)) != d]

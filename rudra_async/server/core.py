@@ -37,6 +37,7 @@ from ..sync import Decision, Gradient, SyncProtocol
 from ..transports.base import SharedMemory
 from ..wire import Frame, MsgType
 from .groups import ParamGroup, default_groups, parse_groups, steps_for
+from .guard import OutlierGuard
 from .stats import StalenessHistogram
 from .store import Background, WeightStore
 
@@ -210,6 +211,7 @@ class ServerCore:
         self.rates: tuple[float, ...] = ()  # each group's base rate in force (a scheduler's, pushed as `lr`)
         self.state: RunState | None = None  # frozen parameters and buffers, once a HELLO declares them
         self.peak = 0  # the most learners registered at once
+        self._outliers = OutlierGuard(cfg.grad_outlier_factor)
         self.store: WeightStore | None = None
         self.learners: dict[int, LearnerInfo] = {}
         self.staleness = StalenessHistogram()
@@ -537,6 +539,8 @@ class ServerCore:
         until the gradient is applied or dropped (then releases it). ``size``: the gradient's
         :meth:`measure`, if taken already. A refusal (:class:`RequestError`) is raised
         before anything changes (the frame is not taken)."""
+        if learner.reader:
+            raise RequestError("this client said hello as a reader: it cannot push", code="read_only")
         fields, grad = self.check_push(learner, meta, frame)
         size = size or self.measure(grad)
         if not math.isfinite(size.max_abs):
@@ -547,12 +551,14 @@ class ServerCore:
                 f"gradient norm {size.norm:.6g} is above the bound {bound:g} (--max-grad-norm)",
                 code="gradient_too_large",
             )
-        if learner.reader:
-            raise RequestError("this client said hello as a reader: it cannot push", code="read_only")
+        outlier = self._outliers.why(size.max_abs)
+        if outlier is not None:
+            raise RequestError(outlier, code="gradient_outlier")
         if "lr" in fields:  # a scheduler's rates, in force from the next update computed
             self.rates = tuple(float(r) for r in fields["lr"])
         self._rejoin(learner)  # an evicted learner's push brings it back (pulls do not)
         learner.owes_since = None
+        self._outliers.accepted(size.max_abs)
         loss = fields.get("loss")
         if loss is not None and math.isfinite(loss) and len(self.losses) < MAX_LOSSES:
             self.losses.append((self.clock, float(loss)))

@@ -31,7 +31,7 @@ from ..errors import ConfigError, PeerGone, RudraError, UpdateFailed
 from ..eventloop import outlast
 from ..logs import rate_limited
 from ..transports.base import Connection, Listener, SharedMemory
-from ..wire import Frame, Limits
+from ..wire import Frame, Limits, MsgType
 from .checkpointer import Checkpointer
 from .core import GradientSize, LearnerInfo, ServerCore, learner_extra
 from .session import Session
@@ -106,6 +106,8 @@ class ParameterServer:
         self._store_closed = False
         self._shutdown: asyncio.Future[None] | None = None
         self.closing_reason = ""  # why the server is shutting down (told to learners)
+        #: what every connection bringing initial weights (a HELLO before the model exists) may hold at once
+        self.initial_bytes = Budget(2 * cfg.max_model_bytes)
         self._sessions: dict[Connection, Session] = {}  # in order of arrival
         self._unregistered: dict[Session, None] = {}  # sessions before hello, oldest first
         self._watchdog: asyncio.Task[None] | None = None
@@ -148,7 +150,8 @@ class ParameterServer:
                 from ..monitor import Monitor
 
                 self.monitor = Monitor(self)
-                await self.monitor.serve(self.config.metrics)
+                token = self.config.metrics_token_file
+                await self.monitor.serve(self.config.metrics, security.load_token(token) if token else None)
         except BaseException:
             await self.close()
             raise
@@ -279,9 +282,10 @@ class ParameterServer:
             if store is None or self._store_closed:
                 raise RudraError("the server has no weights to checkpoint", code="no_weights")
             await self.updates_computed()
+            keep = self.config.checkpoint_keep if target == self.checkpoint_path else 1
             with store.lease() as (clock, weights):
                 saving = asyncio.ensure_future(
-                    asyncio.to_thread(checkpoint.save, target, self.core.snapshot(clock, weights))
+                    asyncio.to_thread(checkpoint.save, target, self.core.snapshot(clock, weights), keep)
                 )
                 try:
                     await asyncio.shield(saving)
@@ -446,16 +450,20 @@ class ParameterServer:
             conn.close()
             return
         if len(self._sessions) >= self.max_connections:
-            self.refused("too_many_connections", f"{conn.peer}: already {len(self._sessions)} connections")
-            conn.close()
+            message = f"already {len(self._sessions)} connections (--max-connections)"
+            self.refused("too_many_connections", f"{conn.peer}: {message}")
+            _turn_away(conn, "too_many_connections", message)
             return
         if len(self._unregistered) >= self.config.max_unauthenticated:
-            oldest = next(iter(self._unregistered))
-            self.refused(
-                "evicted", f"{oldest.conn.peer}: the oldest of {len(self._unregistered)} connections without hello"
+            # the least advanced handshake goes (a peer that has sent nothing before one that is
+            # authenticating, before one that is authenticated), the oldest of its kind
+            victim = min(self._unregistered, key=lambda s: s.progress)
+            message = (
+                f"the least advanced of {len(self._unregistered)} connections without hello (--max-unauthenticated)"
             )
-            self._forget(oldest)
-            oldest.conn.close()
+            self.refused("evicted", f"{victim.conn.peer}: {message}")
+            self._forget(victim)
+            _turn_away(victim.conn, "evicted", message)
         session = Session(self, conn)
         conn.admit = session.admit
         self._sessions[conn] = session
@@ -505,3 +513,28 @@ class ParameterServer:
                     cfg.slow_after,
                     extra=learner_extra(info),
                 )
+
+
+def _turn_away(conn: Connection, code: str, message: str) -> None:
+    """Close a connection the server has no room for, telling the peer why (a fatal ERROR
+    without ``seq``, where the transport can send it at once; a learner then tries again
+    within ``--reconnect``)."""
+    conn.hang_up(MsgType.ERROR, {"code": code, "message": message, "fatal": True})
+
+
+class Budget:
+    """A number of bytes that several holders share: :meth:`take` what fits, :meth:`give_back`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    def take(self, nbytes: int) -> bool:
+        """Take ``nbytes`` if they fit (True), else take nothing (False)."""
+        if self.taken + nbytes > self.limit:
+            return False
+        self.taken += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        self.taken -= nbytes

@@ -84,6 +84,16 @@ class Session:
         self.deadline: float | None = time.monotonic() + server.config.handshake_timeout
         self.deadline_code = "handshake_timeout"
         self.said_bye = False
+        self._heard = False  # a frame of this peer was read
+        self._initial_bytes = 0  # of the server's budget for initial weights, held by this connection's HELLO
+
+    @property
+    def progress(self) -> tuple[int, float]:
+        """How far the handshake got, for choosing whom to close when too many connections have
+        not said hello: (0: nothing read, 1: authenticating, 2: ready for hello; the deadline,
+        so that among equals the oldest is least)."""
+        stage = 2 if self.state is State.AWAITING_HELLO and self._heard else 1 if self._heard else 0
+        return stage, self.deadline or 0.0
 
     # -- limits, in force from the first byte ----------------------------------------------
     def admit(self, header: Header) -> None:
@@ -113,11 +123,25 @@ class Session:
                     f"body of {header.body_len} bytes: the initial weights may have at most {limit} (--max-model-bytes)",
                     msg_type=header.msg_type,
                 )
+            self._release_initial()
+            if not self.server.initial_bytes.take(header.body_len):
+                raise FrameTooLarge(
+                    f"body of {header.body_len} bytes: other connections are bringing initial weights of "
+                    f"{self.server.initial_bytes.taken} bytes, and all of them may hold at most "
+                    f"{self.server.initial_bytes.limit} (twice --max-model-bytes) until the model exists; try again",
+                    msg_type=header.msg_type,
+                )
+            self._initial_bytes = header.body_len
         elif header.body_len > self._body_limit(header.msg_type, store.layout.nbytes):
             raise FrameTooLarge(
                 f"body of {header.body_len} bytes is far larger than the model ({store.layout.nbytes} bytes)",
                 msg_type=header.msg_type,
             )
+
+    def _release_initial(self) -> None:
+        """Give back the memory budget this connection's initial weights held (read or dropped)."""
+        self.server.initial_bytes.give_back(self._initial_bytes)
+        self._initial_bytes = 0
 
     def _body_limit(self, msg_type: int, model_bytes: int) -> int:
         """The largest body a frame of ``msg_type`` may have once the model exists: twice the
@@ -143,6 +167,8 @@ class Session:
                     return
                 finally:
                     self.conn.express = None
+                self._heard = True
+                self._release_initial()  # read: the frame owns its bytes now (or the model exists)
                 if self.state is State.READY:  # the handshake's deadline stays, from accept to hello
                     self.deadline = None
                 learner = self.learner
@@ -158,11 +184,12 @@ class Session:
                     if learner is not None:
                         self.core.idle(learner)
         finally:
+            self._release_initial()
             if self.state is State.CHALLENGED:  # a peer that took a challenge and never proved anything
                 self.server.refused("auth_abandoned", f"{self.conn.peer}: left the handshake after its CHALLENGE")
             self.state = State.CLOSED
-            if self.learner is not None:
-                self.core.leave(self.learner, clean=self.said_bye)
+            if self.learner is not None:  # the server closing ends it as orderly as a bye
+                self.core.leave(self.learner, clean=self.said_bye or self.server.closing)
 
     def express(self, frame: Frame) -> bool:
         """Answer a push+pull from the transport's callback, while this session waits for a
@@ -221,13 +248,9 @@ class Session:
         """The server is shutting down: tell a registered learner so (a fatal ERROR
         ``shutting_down``, without ``seq``, the reply its next request reads) before its
         connection closes, where the transport can send it now; best effort."""
-        if self.state is not State.READY or not self.conn.nowait_room(0):
-            return
-        message = f"the server is shutting down: {reason}"
-        try:
-            self.conn.send_nowait(MsgType.ERROR, {"code": "shutting_down", "message": message, "fatal": True})
-        except RudraError:
-            pass
+        if self.state is State.READY:
+            message = f"the server is shutting down: {reason}"
+            self.conn.hang_up(MsgType.ERROR, {"code": "shutting_down", "message": message, "fatal": True})
 
     def _await_request(self) -> None:
         """Set the deadline for the next request: the handshake's (fixed at accept) until

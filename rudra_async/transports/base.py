@@ -148,6 +148,9 @@ class Connection(abc.ABC):
         self._lost: PeerGone | None = None
         #: the fatal framing error delivered, after which nothing more is queued
         self._fatal: WireError | None = None
+        #: close by half-closing and discarding the peer's input for a while (not a reset, which
+        #: would destroy a last reply still on its way): after a fatal error, or :meth:`hang_up`
+        self._linger = False
         self._ended = asyncio.get_running_loop().create_future()  # done once closed or lost
 
     # -- the user API ------------------------------------------------------------------------
@@ -186,6 +189,18 @@ class Connection(abc.ABC):
                 item.release()
         self._inbox_nbytes = 0
         self._end()
+
+    def hang_up(self, msg_type: int, meta: dict[str, Any]) -> None:
+        """Send one last small frame (an ERROR saying why) where it can be sent at once, and
+        close so that it reaches the peer even if the peer is still sending (where the
+        transport can: a half-close, not a reset). Never raises."""
+        try:
+            if self.nowait_room(0):
+                self.send_nowait(msg_type, meta)
+                self._linger = True
+        except RudraError:
+            pass
+        self.close()
 
     def nowait_room(self, body_bytes: int) -> bool:
         """Whether :meth:`send_nowait` can send a frame with a body of ``body_bytes`` now.

@@ -251,7 +251,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             if self.abort_connecting is not None:
                 self.abort_connecting()
             return
-        if self._fatal is not None and self._lost is None and transport.can_write_eof():
+        if (self._fatal is not None or self._linger) and self._lost is None and transport.can_write_eof():
             # Closing with unread bytes would reset the connection and destroy the error
             # reply just sent; half-close instead, discard input, and close a bit later.
             transport.write_eof()
