@@ -22,6 +22,7 @@ from .errors import (
     RemoteError,
     RequestError,
     RudraError,
+    RunStopped,
     TransportError,
     UpdateFailed,
     WireError,
@@ -35,6 +36,7 @@ __all__ = [  # noqa: RUF022 (grouped: the entry points, then the errors)
     "ParameterServer",
     "Client",
     "SyncClient",
+    "train",
     # errors
     "RudraError",
     "ConfigError",
@@ -48,18 +50,21 @@ __all__ = [  # noqa: RUF022 (grouped: the entry points, then the errors)
     "CheckpointError",
     "LearnerError",
     "UpdateFailed",
+    "RunStopped",
 ]
 
-#: lazily imported names -> the module that defines them
+#: lazily imported names -> the module that defines them, and the name there
 _LAZY = {
-    "ServerConfig": ".config",
-    "ParameterServer": ".server",
-    "Client": ".client",
-    "SyncClient": ".client",
+    "ServerConfig": (".config", "ServerConfig"),
+    "ParameterServer": (".server", "ParameterServer"),
+    "Client": (".client", "Client"),
+    "SyncClient": (".client", "SyncClient"),
+    "train": (".runs.train", "run_train"),
 }
 
 
 def __getattr__(name: str) -> Any:  # lazy, so `import rudra_async` stays light
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module, __name__), attr)
     raise AttributeError(f"module 'rudra_async' has no attribute {name!r}")

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from . import __version__, advice
 from .config import LaunchConfig, LearnerConfig, LogOptions, ServerConfig, TrainConfig
-from .errors import ConfigError, RudraError
+from .errors import ConfigError, RudraError, RunStopped
 from .eventloop import run as run_loop
 from .options import click_options, from_flat, nearest, read_file, to_flat
 
@@ -160,6 +160,11 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
         if results:
             _check_writable(results)  # now, not after the run
         out = run_loop(run_train(_config(TrainConfig, kwargs, TrainConfig.SET_BY_RUN), progress))
+    except RunStopped as exc:  # what the run reached is worth keeping
+        if results and exc.results is not None:
+            _write_results(results, exc.results)
+            _fail(RunStopped(f"{exc}; the results so far are in {results}"))
+        _fail(exc)
     except RudraError as exc:
         _fail(exc)
     click.echo(
@@ -175,11 +180,15 @@ def train(results: str | None, quiet: bool, **kwargs: Any) -> None:
             learners_failed=out["learners_failed"],
         )
     if results:
-        try:
-            with open(results, "w") as fh:
-                json.dump(out, fh, indent=2)
-        except OSError as exc:
-            _fail(ConfigError(f"cannot write results to {results}: {exc.strerror}"))
+        _write_results(results, out)
+
+
+def _write_results(path: str, results: dict[str, Any]) -> None:
+    try:
+        with open(path, "w") as fh:
+            json.dump(results, fh, indent=2)
+    except OSError as exc:
+        _fail(ConfigError(f"cannot write results to {path}: {exc.strerror}"))
 
 
 def _check_writable(path: str) -> None:

@@ -35,7 +35,7 @@ from .errors import (
     TryLater,
     quoted,
 )
-from .eventloop import PrivateLoop, run_sync
+from .eventloop import PrivateLoop, run_sync, serving_here
 from .layout import Layout, Shard
 from .model_state import StateLayout
 from .transports.blocking import BlockingConnection
@@ -695,6 +695,15 @@ async def connect(url: str, layout: Layout, initial: np.ndarray | None = None, *
     return await ShardedClient.connect(urls, layout, initial, **kwargs)
 
 
+BLOCKING_ON_A_SERVING_LOOP = (
+    "a blocking client (SyncClient, DistributedOptimizer) was made on the thread that runs the "
+    "event loop of a parameter server in this process (a notebook cell or a coroutine next to an "
+    "embedded server): each call would block that loop, so the server could never answer. Make it "
+    "on another thread (threading.Thread, or 'await asyncio.to_thread(...)'), or use the async "
+    "Client ('await Client.connect(...)') on that loop"
+)
+
+
 class SyncClient:
     """Blocking form of :class:`Client` (or of :class:`ShardedClient`, when ``url`` lists
     several shards), for code that is not async.
@@ -709,7 +718,11 @@ class SyncClient:
     ) -> None:
         """``wait``: seconds to keep trying while the server cannot take the connection (not up
         yet, or full: :class:`~rudra_async.errors.TryLater`); other failures are raised at once.
-        ``kwargs``: :meth:`Client.connect`'s."""
+        ``kwargs``: :meth:`Client.connect`'s. ConfigError at once if this thread runs the event
+        loop of a parameter server of this process (a notebook's cell under an embedded
+        server): blocking there would stall that server, which could then never answer."""
+        if serving_here():
+            raise ConfigError(BLOCKING_ON_A_SERVING_LOOP)
         self._loop: PrivateLoop | None = None
         self._run: Callable[[Coroutine[Any, Any, Any]], Any] = run_sync
         self._closed = False

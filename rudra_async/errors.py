@@ -24,6 +24,7 @@ __all__ = [
     "RemoteError",
     "RequestError",
     "RudraError",
+    "RunStopped",
     "ServerBusy",
     "TransportError",
     "TryLater",
@@ -169,6 +170,19 @@ class UpdateFailed(RudraError):
     weights are undefined from then on, so the server stops and writes no checkpoint of them."""
 
     code = "update_failed"
+
+
+class RunStopped(RudraError):
+    """A local run (``rudra-async train``) was stopped by a signal (SIGINT, SIGTERM), in
+    order: its learners stopped, its final checkpoint written. ``results``: what the run had
+    reached (the dict ``--results`` writes, with ``"stopped_by"`` the signal's name), or None
+    if it had no model yet."""
+
+    code = "run_stopped"
+
+    def __init__(self, message: str, results: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.results = results
 
 
 class LearnerError(RudraError):

@@ -8,10 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+#: event loops that run a parameter server now (each with how many), so that blocking code
+#: called on such a loop's thread can be told it would stall the server, not hang
+_SERVING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, int] = weakref.WeakKeyDictionary()
+
+
+def serving(loop: asyncio.AbstractEventLoop, up: bool) -> None:
+    """Record that a server starts (``up``) or stops running on ``loop``."""
+    count = _SERVING.get(loop, 0) + (1 if up else -1)
+    if count > 0:
+        _SERVING[loop] = count
+    else:
+        _SERVING.pop(loop, None)
+
+
+def serving_here() -> bool:
+    """Whether this thread runs an event loop that runs a parameter server now (blocking
+    here would stall that server: a notebook's cell, a coroutine of the embedding program)."""
+    loop = asyncio._get_running_loop()  # the fast check asyncio itself makes
+    return loop is not None and loop in _SERVING
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -155,8 +155,8 @@ def test_a_stopped_train_writes_its_checkpoint_and_leaves_no_process(tmp_path, g
     """SIGTERM (a scheduler's time limit, ``docker stop``) or Ctrl-C stops a run in order: its
     learners are stopped, the final checkpoint is written, nothing is left running and no
     learner prints a traceback."""
-    ckpt = tmp_path / "run.ckpt"
-    args = ["train", "-l", "2", "--epochs", "10000", "--checkpoint", str(ckpt)]
+    ckpt, results = tmp_path / "run.ckpt", tmp_path / "results.json"
+    args = ["train", "-l", "2", "--epochs", "10000", "--checkpoint", str(ckpt), "--results", str(results)]
     with subprocess.Popen(
         [*CLI_ARGS, *args], stderr=subprocess.PIPE, text=True, env=subprocess_env(), start_new_session=True
     ) as proc:
@@ -176,8 +176,11 @@ def test_a_stopped_train_writes_its_checkpoint_and_leaves_no_process(tmp_path, g
         finally:
             reap(proc)
     name = "SIGINT" if group else "SIGTERM"
-    assert f"error: the run was stopped by {name}" in err and "Traceback" not in err, err
-    assert checkpoint.load(ckpt).clock > 0
+    assert f"error: the run was stopped by {name}; the results so far are in {results}" in err, err
+    assert "Traceback" not in err and "without a bye" not in err, err  # an orderly stop, not crashes
+    reached = json.loads(results.read_text())
+    assert reached["stopped_by"] == name and reached["updates"] > 0 and reached["test_accuracy"] is not None
+    assert checkpoint.load(ckpt).clock >= reached["updates"]
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import secrets
 import signal
@@ -14,14 +15,30 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import advice, security
+from .. import advice, eventloop, security
 from ..config import LearnerConfig, TrainConfig
-from ..errors import RudraError
+from ..errors import RudraError, RunStopped
 from ..layout import Shard
+from ..options import from_flat
 from ..server import ParameterServer
 from .learners import LearnerGroup, warm_up
 
 T = TypeVar("T")
+
+
+def run_train(progress: Callable[[str], None] | None = None, **settings: Any) -> dict[str, Any]:
+    """``rudra-async train`` as a call, for a notebook or a script: ``settings`` are the
+    command's settings by their Python names (``learners=2, protocol="hardsync", epochs=5``;
+    an unknown name or a wrong type is a ConfigError naming the nearest valid one; the
+    ``RUDRA_ASYNC_TRAIN_*`` variables are not read). Blocks until the run ends and returns
+    the results (the dict ``--results`` writes). From a thread that runs an event loop (a
+    notebook's cell), the run gets a thread and a loop of its own; signals stop a run only
+    on the main thread without a running loop (:class:`RunStopped`)."""
+    cfg = from_flat(TrainConfig, settings, exclude=TrainConfig.SET_BY_RUN, where="train()")
+    if asyncio._get_running_loop() is None:
+        return eventloop.run(train(cfg, progress))
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rudra-async-train") as pool:
+        return pool.submit(eventloop.run, train(cfg, progress)).result()
 
 
 def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[LearnerConfig]:
@@ -48,7 +65,9 @@ def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[Learn
 
 
 async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the job and return the results (see README for the keys)."""
+    """Run the job and return the results (see README for the keys). Stopped by SIGINT or
+    SIGTERM (on the main thread), the run stops in order and raises :class:`RunStopped`
+    carrying the results it reached (None if no model existed yet)."""
     from ..learner import data as datasets
 
     cfg.validate()
@@ -63,6 +82,7 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     if secret is None:  # a run authenticates its own learners even on loopback (other users share this host)
         generated = secrets.token_hex(32)
         secret = generated.encode()
+    results: dict[str, Any] | None = None
     with _SignalStop() as stop:
         async with contextlib.AsyncExitStack() as stack:
             servers = [
@@ -71,6 +91,12 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
                 )
                 for i in range(cfg.shards)
             ]
+
+            def close_servers(sig: signal.Signals) -> None:
+                for s in servers:
+                    s.request_close(f"the run got {sig.name}")
+
+            stop.on_signal = close_servers
             server = servers[0]  # progress, statistics and timing come from shard 0
             group = LearnerGroup(learner_configs(cfg, ",".join(s.addresses[0] for s in servers), steps), generated)
             ticker = asyncio.create_task(_report_progress(server, started, progress)) if progress else None
@@ -79,25 +105,28 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
             finally:
                 if ticker:
                     ticker.cancel()
-            stop.raise_if_received()  # the stack closes the servers, writing the final checkpoint
             wall = time.monotonic() - started
             failed = group.failed
-            if len(failed) == cfg.learners:
+            if len(failed) == cfg.learners and not stop.received:
                 raise RudraError(f"every learner failed (exit codes {group.exit_codes})")
-            train_s = (server.core.last_update_at or started) - (server.core.first_update_at or started)
-            weights = np.concatenate([s.core.store.weights for s in servers])  # type: ignore[union-attr]
-            results = summarize(cfg, server, dataset, weights)
-        stop.raise_if_received()  # one that came while the results were made or the servers closed
-    return {
-        **results,
-        "mode": "processes",
-        "wall_s": wall,
-        "train_s": train_s,
-        "samples_per_s": server.core.samples / train_s if train_s > 0 else 0.0,
-        "learners_failed": failed,
-        "learner_summaries": summaries,
-        "first_update_unix": time.time() - (time.monotonic() - (server.core.first_update_at or started)),
-    }
+            if all(s.core.store is not None for s in servers):  # (a stop may come before the model)
+                train_s = (server.core.last_update_at or started) - (server.core.first_update_at or started)
+                weights = np.concatenate([s.core.store.weights for s in servers])  # type: ignore[union-attr]
+                results = {
+                    **summarize(cfg, server, dataset, weights),
+                    "mode": "processes",
+                    "wall_s": wall,
+                    "train_s": train_s,
+                    "samples_per_s": server.core.samples / train_s if train_s > 0 else 0.0,
+                    "learners_failed": [] if stop.received else failed,
+                    "learner_summaries": summaries or [],
+                    "first_update_unix": time.time() - (time.monotonic() - (server.core.first_update_at or started)),
+                    "stopped_by": stop.received[0].name if stop.received else None,
+                }
+            # leaving the stack closes the servers, writing the final checkpoint
+        stop.raise_if_received(results)  # also one that came while the results were made or the servers closed
+    assert results is not None
+    return results
 
 
 class _SignalStop:
@@ -111,6 +140,9 @@ class _SignalStop:
 
     def __init__(self) -> None:
         self.received: list[signal.Signals] = []
+        #: called at the first signal, before the work is cancelled (the run's servers are
+        #: told to close, so that learners cut off by the stop are not logged as crashes)
+        self.on_signal: Callable[[signal.Signals], object] | None = None
         self._running: asyncio.Future[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -128,6 +160,8 @@ class _SignalStop:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.received.append(sig)
+        if self.on_signal is not None and len(self.received) == 1:
+            self.on_signal(sig)
         if self._running is not None and len(self.received) == 1:  # once: a second must not cut the stop short
             self._running.cancel()
 
@@ -147,10 +181,13 @@ class _SignalStop:
         finally:
             self._running = None
 
-    def raise_if_received(self) -> None:
-        """RudraError naming the signal, if one came."""
+    def raise_if_received(self, results: dict[str, Any] | None = None) -> None:
+        """:class:`RunStopped` naming the signal and carrying ``results``, if one came."""
         if self.received:
-            raise RudraError(f"the run was stopped by {self.received[0].name}")
+            name = self.received[0].name
+            if results is not None:
+                results["stopped_by"] = name
+            raise RunStopped(f"the run was stopped by {name}", results)
 
 
 def summarize(

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import checkpoint, security, transports
+from .. import checkpoint, eventloop, security, transports
 from ..config import ServerConfig
 from ..errors import ConfigError, PeerGone, RudraError, UpdateFailed
 from ..eventloop import outlast
@@ -156,6 +156,7 @@ class ParameterServer:
             await self.close()
             raise
         self._watchdog = asyncio.ensure_future(self._watch())
+        eventloop.serving(self._loop, True)
         log.info("parameter server listening on %s (%s)", ", ".join(self.addresses), self.core.protocol.describe())
 
     async def serve(self) -> None:
@@ -193,6 +194,7 @@ class ParameterServer:
     async def _shut_down(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+            eventloop.serving(asyncio.get_running_loop(), False)
         if self.monitor is not None:
             await self.monitor.close()
         for session in list(self._sessions.values()):  # before the connections close: why they do
