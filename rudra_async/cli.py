@@ -36,7 +36,7 @@ def _fail(exc: BaseException) -> None:
 
 
 @click.group(context_settings={"auto_envvar_prefix": "RUDRA_ASYNC", "help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="rudra-async")
+@click.version_option(__version__, "--version", "-V", prog_name="rudra-async")
 @click_options(LogOptions)
 def main(log_level: str, log_format: str) -> None:
     """rudra-async: an asyncio parameter server for distributed deep learning."""

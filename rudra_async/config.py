@@ -357,12 +357,22 @@ class LearnerOptions:
         "(needs the tensorboard extra).",
         metavar="DIR",
     )
+    progress_every: float = setting(
+        10.0, "Seconds between a learner's progress lines (INFO; 0: none; train reports for its learners).", low=0
+    )
 
     def validate(self) -> LearnerOptions:
         check_ranges(self)
         if self.tensorboard is not None:
             check_directory(self.tensorboard)
+        if self.data is not None and ":" not in self.model:  # now, not once a server is up
+            raise ConfigError(model_for_data(self.model))
         return self
+
+
+def model_for_data(model: str) -> str:
+    """Why a built-in ``--model`` cannot go with ``--data``."""
+    return f"--model {model!r} is built for --dataset; with --data give --model module:function"
 
 
 @dataclass
@@ -499,8 +509,19 @@ class LaunchConfig:
     tls_ca: str | None = setting(
         None, "With --tls-cert: the CA (PEM) learners verify the servers' certificates with.", metavar="FILE"
     )
+    epochs: float | None = setting(
+        None,
+        "Passes over the training set, all learners together: each learner takes epochs·N/(λμ) steps of a "
+        "built-in data set, or epochs passes over its own --data (default: until the server stops).",
+        above=0,
+    )
     server: ServerConfig = section(ServerConfig)
     learner: LearnerOptions = section(LearnerOptions)
+
+    #: what launch cannot take as a setting, and what to give instead
+    NOT_SETTINGS: ClassVar[dict[str, str]] = {
+        "learners": "a launched job's learners are its tasks beyond --servers (the engine's task count)",
+    }
 
     #: settings of the nested configurations that a launch decides itself (per rank)
     SET_BY_RUN: ClassVar[tuple[str, ...]] = (*ServerConfig.PER_SERVER, "samples_per_epoch", "expected_learners")
@@ -517,4 +538,6 @@ class LaunchConfig:
             )
         check_tls_pair(self.server, self.tls_ca)
         self.learner.validate()
+        if self.epochs is not None and self.learner.steps is not None:
+            raise ConfigError("give --epochs or --steps, not both")
         return self

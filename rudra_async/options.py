@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -240,6 +241,9 @@ def read_file(cls: type, path: str, *, exclude: Iterable[str] = ()) -> dict[str,
     with a ConfigError naming the file, the key and, for an unknown key, the nearest valid one."""
     values = load_toml(path, "config file")
     fields = {k: v for k, v in flat_fields(cls, exclude).items() if v[1].metadata.get("cli", True)}
+    for key, instead in getattr(cls, "NOT_SETTINGS", {}).items():
+        if key in values:
+            raise ConfigError(f"config file {path}: {key!r} is not a setting here: {instead}")
     check_known(values, fields, f"config file {path}")
     for key, value in values.items():
         try:
@@ -313,6 +317,27 @@ def _key_value(items: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def _setting_option() -> type:
+    """The click option class of a setting's flag (made on first use: click loads only for
+    the command line): a bad value that came from its ``RUDRA_ASYNC_*`` variable is reported
+    naming the variable, which is what the user set (not the flag)."""
+    import click
+    from click.core import ParameterSource
+
+    class SettingOption(click.Option):
+        def process_value(self, ctx: click.Context, value: Any) -> Any:
+            try:
+                return super().process_value(ctx, value)
+            except click.BadParameter as exc:
+                if self.name is None or ctx.get_parameter_source(self.name) is not ParameterSource.ENVIRONMENT:
+                    raise
+                var = self.envvar if isinstance(self.envvar, str) else f"{ctx.auto_envvar_prefix}_{self.name.upper()}"
+                raise click.BadParameter(exc.message, ctx=ctx, param_hint=f"the environment variable {var}") from None
+
+    return SettingOption
+
+
 def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any]:
     """A decorator adding one click option per settable field of ``cls`` (nested included),
     in declaration order. Each option's keyword argument is the field's name."""
@@ -364,7 +389,7 @@ def click_options(cls: type, exclude: Iterable[str] = ()) -> Callable[[Any], Any
             kwargs.update(type=click_type, default=default)  # a required one: from_flat says it is missing
         if meta.get("metavar"):
             kwargs["metavar"] = meta["metavar"]
-        decorators.append(click.option(*names, name, **kwargs))
+        decorators.append(click.option(*names, name, cls=_setting_option(), **kwargs))
 
     def apply(func: Any) -> Any:
         for decorator in reversed(decorators):

@@ -63,12 +63,15 @@ def test_server_and_learners_in_separate_processes():
     learners = []
     try:
         learners = [
-            start_cli("learner", "--connect", f"tcp://127.0.0.1:{port}", "--index", str(i), "--json") for i in range(2)
-        ]
+            start_cli("learner", "--connect", f"tcp://127.0.0.1:{port}", "--index", str(i), "--json",
+                      "--progress-every", "0.001")
+            for i in range(2)
+        ]  # fmt: skip
         summaries = []
-        for p in learners:
+        for i, p in enumerate(learners):
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
+            assert re.search(rf"learner {i}: step \d+, server update \d+, loss \d", err), err  # progress lines
             summaries.append(last_json(out))
         assert sorted(s["learner_id"] for s in summaries) == [0, 1]
         assert sum(s["steps"] for s in summaries) == 40  # the server said stop at 40 updates

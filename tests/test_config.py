@@ -57,6 +57,17 @@ def test_environment_variables_reach_the_same_checks():
     assert result.exit_code == 2 and "--learners must be >= 1, got 0" in result.output
 
 
+def test_a_bad_value_from_a_variable_names_the_variable_and_minus_v_is_the_version():
+    runner = CliRunner()
+    result = runner.invoke(main, ["train"], env={"RUDRA_ASYNC_TRAIN_LEARNERS": "abc"})
+    assert result.exit_code == 2 and "the environment variable RUDRA_ASYNC_TRAIN_LEARNERS" in result.output
+    assert "'--learners'" not in result.output, result.output  # the user never typed the flag
+    result = runner.invoke(main, ["train", "-l", "abc"])
+    assert result.exit_code == 2 and "'--learners'" in result.output
+    result = runner.invoke(main, ["-V"])
+    assert result.exit_code == 0 and result.output.startswith("rudra-async, version ")
+
+
 def test_values_are_type_checked_and_unknown_keys_name_the_nearest():
     with pytest.raises(ConfigError, match="lr must be float, got 'fast'"):
         from_flat(ServerConfig, {"lr": "fast"})

@@ -1,9 +1,11 @@
 """`rudra-async launch`: every task of a cluster job takes its role from its rank."""
 
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import free_port, free_port_run, last_json, reap, run_cli, start_cli, subprocess_env
@@ -92,10 +94,26 @@ def test_a_slurm_job_of_two_shard_servers_and_two_learners_trains_and_ends(tmp_p
     assert run.returncode == 0 and json.loads(run.stdout)["clocks"] == [200, 200], run.stderr
 
 
-def test_a_torchrun_job_with_one_server_and_learner_steps(tmp_path):
-    results = run_job(tmp_path, 3, 1, "--steps", "30", engine=("RANK", "WORLD_SIZE"))
-    assert results[0]["role"] == "server" and results[0]["updates"] == 60  # two learners × 30, async
-    assert [r["steps"] for r in results[1:]] == [30, 30]
+def test_a_torchrun_job_with_one_server_and_learners_for_some_epochs(tmp_path):
+    """``--epochs`` counts passes over the data by all learners together, as train's does."""
+    from rudra_async.learner import data
+
+    steps = math.ceil(0.5 * len(data.load("digits").y_train) / (2 * 32))
+    results = run_job(tmp_path, 3, 1, "--epochs", "0.5", engine=("RANK", "WORLD_SIZE"))
+    assert results[0]["role"] == "server" and results[0]["updates"] == 2 * steps  # async: one update a push
+    assert [r["steps"] for r in results[1:]] == [steps, steps]
+
+
+def test_launch_settings_are_checked_before_anything_starts(tmp_path):
+    """A learner rank's bad settings used to show once the servers were up (~5 s), a TOML
+    ``learners`` key suggested 'learner_history'."""
+    started = time.monotonic()
+    run = run_cli("launch", "--rendezvous", str(tmp_path), "--rank", "1", "--world-size", "2", "--data", "m:f")
+    assert run.returncode == 2 and "with --data give --model module:function" in run.stderr, run.stderr
+    (tmp_path / "job.toml").write_text("learners = 3\n")
+    run = run_cli("launch", "--config", str(tmp_path / "job.toml"), "--rendezvous", str(tmp_path))
+    assert run.returncode == 2 and "tasks beyond --servers" in run.stderr, run.stderr
+    assert time.monotonic() - started < 20
 
 
 SHARDED_DATA = """

@@ -7,6 +7,7 @@ with ``--overlap``) → repeat, until ``--steps`` or until the server says stop.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -20,6 +21,8 @@ from .api import DistributedOptimizer, share_of_cores
 from .evaluation import evaluate
 from .parts import load_parts, scalar_loss
 from .tensorboard import open_log, updates_between
+
+log = logging.getLogger(__name__)
 
 
 def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
@@ -35,7 +38,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
         if parts.batches_per_pass is None:
             raise LearnerError(f"data {opts.data!r} has no length, so passes cannot be counted: give --steps")
         limit = math.ceil(cfg.passes * parts.batches_per_pass)
-    started = tick = time.monotonic()
+    started = tick = said = time.monotonic()
     last_loss = float("nan")
     tensorboard = open_log(opts.tensorboard, cfg.name or f"learner-{cfg.index}")
     with DistributedOptimizer(
@@ -67,6 +70,17 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                 staleness=updates_between(stamp, opt.timestamp),
                 samples_per_s=len(x) / step_s,
             )
+            if opts.progress_every and now - said >= opts.progress_every:
+                said = now
+                log.info(
+                    "learner %d: step %d%s, server update %s, loss %.4f",
+                    cfg.index,
+                    opt.steps,
+                    f" of {limit}" if limit is not None else "",
+                    opt.timestamp,
+                    last_loss,
+                    extra={"step": opt.steps, "update": opt.timestamp, "loss": last_loss},
+                )
         learner_id = opt.learner_id
     tensorboard.close()
     summary = {

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import LearnerOptions
+from ..config import LearnerOptions, model_for_data
 from ..errors import ConfigError, LearnerError
 from . import data as datasets
 from . import models
@@ -152,7 +152,7 @@ def user_module(spec: str) -> nn.Module:
     """The model ``--model module:function`` builds (a LearnerError for a built-in name: those
     are built for a built-in data set)."""
     if ":" not in spec:
-        raise LearnerError(f"--model {spec!r} is built for --dataset; with --data give --model module:function")
+        raise LearnerError(model_for_data(spec))
     model = call_user(load_user_object(spec, "--model"), spec, "model function")
     if not isinstance(model, nn.Module):
         raise LearnerError(f"model function {spec!r} returned {type(model).__name__}, not a torch.nn.Module")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -21,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from .. import advice
-from ..config import LaunchConfig, LearnerConfig
+from ..config import LaunchConfig, LearnerConfig, LearnerOptions
 from ..errors import ConfigError, RudraError
 from ..layout import Shard
 from ..transports.base import format_host_port, parse_host_port
@@ -110,6 +111,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     from ..learner.loop import run_learner
 
     index = cfg.rank - cfg.servers
+    options, passes = learner_share(cfg)
     urls = wait_for_servers(cfg)
     server = cfg.server
     summary = run_learner(
@@ -117,8 +119,9 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
             connect=",".join(urls),
             index=index,
             learners=learners_of(cfg),
+            passes=passes,
             host_learners=tasks_on_this_node(os.environ),
-            options=cfg.learner,
+            options=options,
             secret_file=server.secret_file,
             tls_ca=cfg.tls_ca,
             tls_cert=server.tls_cert if server.tls_client_ca else None,
@@ -126,6 +129,20 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         )
     )
     return {"role": "learner", "rank": cfg.rank, "index": index, **summary}
+
+
+def learner_share(cfg: LaunchConfig) -> tuple[LearnerOptions, float | None]:
+    """A learner's options and passes for ``--epochs``: epochs·N/(λμ) steps of a built-in data
+    set, or ``epochs`` passes over its own ``--data``; unchanged without ``--epochs``."""
+    opts = cfg.learner
+    if cfg.epochs is None:
+        return opts, None
+    if opts.data is not None:
+        return opts, cfg.epochs
+    from ..learner import data as datasets
+
+    n_train = len(datasets.load(opts.dataset).y_train)
+    return replace(opts, steps=max(1, math.ceil(cfg.epochs * n_train / (learners_of(cfg) * opts.batch_size)))), None
 
 
 async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:

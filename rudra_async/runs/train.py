@@ -58,7 +58,7 @@ def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[Learn
             tls_ca=cfg.tls_ca,
             tls_cert=server.tls_cert if client_cert else None,
             tls_key=server.tls_key if client_cert else None,
-            options=replace(cfg.learner, steps=steps),
+            options=replace(cfg.learner, steps=steps, progress_every=0.0),
         )
         for i in range(cfg.learners)
     ]
