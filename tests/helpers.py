@@ -258,7 +258,7 @@ async def numpy_learner(url, layout, initial, steps=None, delay=0.0, name=None, 
     while not w.stop and (steps is None or step < steps):
         grad = (0.01 * rng.standard_normal(layout.size)).astype(np.float32)
         try:
-            w = await client.push_pull(grad, w.timestamp, step, samples=8)
+            w = await client.push_pull(grad, w.timestamp, step, samples=8, loss=2.0 / (1 + 0.01 * step))
         except RemoteError as exc:
             if exc.code == "stopped":  # the run ended while this gradient was computed
                 break

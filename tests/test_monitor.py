@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from rudra_async.client import Client
 from rudra_async.monitor.collector import STALENESS_BUCKETS
 from rudra_async.monitor.http import RENDER_EVERY_S, HttpServer
 from rudra_async.monitor.view import render
+from rudra_async.server.core import REFUSAL_CODES
 
 
 def samples(text: str) -> dict:
@@ -52,7 +54,7 @@ def check_agreement(parsed: dict, stats: dict, connected: int) -> None:
     assert value(parsed, "rudra_update_seconds_total") == pytest.approx(stats["update_seconds"])
     assert value(parsed, "rudra_learners") == connected
     rejected = {dict(labels)["code"]: v for (name, labels), v in parsed.items() if name == "rudra_rejected_total"}
-    assert rejected == stats["rejected"]
+    assert rejected == {**dict.fromkeys(REFUSAL_CODES, 0), **stats["rejected"]}  # every code, from zero
     histogram = {int(s): c for s, c in stats["staleness_histogram"].items()}
     for bound in STALENESS_BUCKETS:
         expected = sum(c for s, c in histogram.items() if s <= bound)
@@ -66,6 +68,8 @@ def check_agreement(parsed: dict, stats: dict, connected: int) -> None:
         assert value(parsed, "rudra_learner_dropped_total", **labels) == info["dropped"]
         assert value(parsed, "rudra_learner_staleness_mean", **labels) == pytest.approx(info["staleness_mean"])
         assert value(parsed, "rudra_learner_connected", **labels) == info["connected"]
+        seen = value(parsed, "rudra_learner_last_seen_timestamp_seconds", **labels)
+        assert abs(time.time() - info["last_seen_s"] - seen) < 5  # a Unix time, not an age
     traffic = stats["traffic"]["tcp"]
     assert value(parsed, "rudra_transport_received_bytes_total", transport="tcp") == traffic["bytes_in"]
     assert value(parsed, "rudra_transport_sent_bytes_total", transport="tcp") == traffic["bytes_out"]
@@ -279,3 +283,27 @@ def test_metrics_need_a_valid_address():
 
     with pytest.raises(ConfigError, match="--metrics needs HOST:PORT or PORT"):
         ServerConfig(metrics="localhost:http").validate()
+
+
+async def test_after_the_learners_left_the_status_says_so_and_shows_no_rate(tmp_path):
+    """Learners that left with a bye showed a red "gone" like a crash; with λ = 0 the page
+    still showed the last ten seconds' updates/s; the status command said "now ago"."""
+    layout = small_layout()
+    path = str(tmp_path / "run.ckpt")
+    async with run_server(kernel="numpy", metrics="127.0.0.1:0", checkpoint=path) as ps:
+        stayed = await numpy_learner(ps.addresses[0], layout, initial_weights(layout), steps=30, name="stays")
+        left = await numpy_learner(ps.addresses[0], layout, initial_weights(layout), steps=30, name="leaves")
+        await left.close()  # with a bye
+        await ps.checkpoint(path)
+        snap = ps.monitor.status()
+        states = {v["name"]: v["left"] for v in snap["learners"].values()}
+        assert states == {"stays": None, "leaves": "bye"}
+        text = shown(snap)
+        assert "left" in text and "gone" not in text and "just now" in text and "now ago" not in text
+        assert snap["updates_per_s"] > 0  # one learner still connected: the trailing rate stands
+        stayed.conn.close()  # lost, no bye
+        await asyncio.sleep(ps.monitor.interval + 0.3)
+        snap = ps.monitor.status()
+        assert {v["name"]: v["left"] for v in snap["learners"].values()} == {"stays": "lost", "leaves": "bye"}
+        assert snap["learners_connected"] == 0 and snap["updates_per_s"] == 0.0
+        assert "gone" in shown(snap)

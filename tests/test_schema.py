@@ -3,6 +3,7 @@ declared type or range is answered ``bad_request`` naming the field (table-drive
 a real server)."""
 
 import asyncio
+import re
 from pathlib import Path
 
 import numpy as np
@@ -115,3 +116,18 @@ async def test_every_field_violation_is_bad_request_naming_the_field(msg_type, n
         assert server.core.store is None or server.clock == 0  # refused before any state change
         assert not any(info.connected for info in server.core.learners.values()) or msg_type != MsgType.HELLO
         writer.close()
+
+
+def test_every_refusal_code_is_documented_and_counted_from_zero_in_the_metrics():
+    """The codes of wire.md's error table (but shutting_down, no refusal) and the closes
+    without an ERROR that observability.md lists are the ones the metrics show from zero."""
+    from rudra_async.server.core import REFUSAL_CODES
+
+    table = DOC[DOC.index("| code | fatal |") :]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M)) - {"shutting_down"}
+    observability = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
+    row = next(line for line in observability.splitlines() if line.startswith("| `rudra_rejected_total{code}`"))
+    closes = {"auth_abandoned", "too_many_connections", "evicted", "handshake_timeout", "idle_timeout"}
+    closes |= {"reply_not_read", "push_not_written"}
+    assert all(f"`{code}`" in row for code in closes)
+    assert set(REFUSAL_CODES) == documented | closes and len(REFUSAL_CODES) == len(set(REFUSAL_CODES))

@@ -76,5 +76,10 @@ async def test_the_status_page_draws_the_run_in_a_headless_browser(tmp_path):
     rows = re.findall(r'<tr data-learner="(\d+)"><td>\d+</td><td>([^<]+)</td><td class="state (\w+)">', table)
     assert sorted(name for _, name, _ in rows) == ["learner-0", "learner-1", "learner-2"]
     assert {state for _, _, state in rows} <= {"training", "waiting"}
+    loss = re.search(r'<svg id="loss-chart".*?</svg>', dom, re.S).group(0)
+    curve = re.search(r'<path class="line" d="M([^"]+)"', loss)
+    assert curve and len(curve.group(1).split(" L")) >= 10  # the reported losses, by update
+    ticks = re.findall(r'text-anchor="end">([^<]+)%</text>', histogram)
+    assert ticks and all(re.fullmatch(r"\d+(\.\d)?", t) for t in ticks), ticks  # round ticks: no 13 %, 38 %
     png = shot.read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000  # a drawn page, not a blank one

@@ -33,6 +33,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
+from ..server.core import make_loss_curve
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -154,7 +155,8 @@ class Monitor:
         return bytes(generate_latest(self.registry))
 
     def status(self) -> dict[str, Any]:
-        """One snapshot: ``server.stats()`` (without the loss curve) and, added, ``server``
+        """One snapshot: ``server.stats()`` (its loss curve drawn from at most 2,000 of the
+        reported losses, evenly spaced, so that a poll stays cheap in a long run) and, added, ``server``
         (what it is), ``time``, ``uptime_s``, ``clock``, ``updates_per_s``,
         ``learners_connected`` (λ), ``learners_blocked``, ``rss_bytes``, per learner
         ``rate`` (gradients/s) and ``blocked``, the checkpoint's ``age_s``, and ``history``
@@ -190,6 +192,7 @@ class Monitor:
             "learners": learners,
             "rss_bytes": self.rss_bytes(),
             "checkpoint": ckpt,
+            "loss_curve": make_loss_curve(ps.core.losses[:: max(1, len(ps.core.losses) // 2000)]),
             "history": {
                 "t": [round(s.at - now, 3) for s in history],
                 "clock": [s.clock for s in history],
@@ -219,6 +222,9 @@ class Monitor:
         old = self._window_start(now)
         if old is None or now - old.at <= 0:
             return 0.0
+        last = self.server.core.last_update_at
+        if not self._connected() and (last is None or now - last > self.interval):
+            return 0.0  # the run is over or paused: no trailing average of updates that stopped
         return max(0, self.server.clock - old.clock) / (now - old.at)
 
     def rss_bytes(self) -> float | None:

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from .. import __version__
+from ..server.core import REFUSAL_CODES
 
 if TYPE_CHECKING:
     from . import Monitor
@@ -63,7 +64,8 @@ class ServerCollector(Collector):
         yield GaugeMetricFamily("rudra_clock", "The server clock: updates applied to the weights.", value=ps.clock)
         yield GaugeMetricFamily(
             "rudra_updates_per_second",
-            "Updates per second over the last 10 seconds.",
+            "Updates per second over the last 10 seconds, as the server computes it (0 once no learner is "
+            "connected and updates stopped); for queries, prefer rate(rudra_clock[...]) or rate(rudra_samples_total).",
             value=self.monitor.updates_per_s(),
         )
         connected = sum(1 for v in stats["learners"].values() if v["connected"])
@@ -80,7 +82,8 @@ class ServerCollector(Collector):
         rejected = CounterMetricFamily(
             "rudra_rejected", "Requests refused, by error code (wire.md lists the codes).", labels=["code"]
         )
-        for code, count in sorted(stats["rejected"].items()):
+        counts = {**dict.fromkeys(REFUSAL_CODES, 0), **stats["rejected"]}  # every code from zero: rate() works
+        for code, count in sorted(counts.items()):
             rejected.add_metric([code], count)
         yield rejected
         yield CounterMetricFamily(
@@ -120,9 +123,9 @@ class ServerCollector(Collector):
         )
         if ckpt.get("written_at"):
             yield GaugeMetricFamily(
-                "rudra_checkpoint_age_seconds",
-                "Seconds since the newest checkpoint file was written.",
-                value=time.time() - ckpt["written_at"],
+                "rudra_checkpoint_last_written_timestamp_seconds",
+                "When the newest checkpoint file was written (Unix time; its age is time() - this).",
+                value=ckpt["written_at"],
             )
         if ckpt.get("clock") is not None:
             yield GaugeMetricFamily(
@@ -141,15 +144,19 @@ class ServerCollector(Collector):
             "staleness_mean": GaugeMetricFamily(
                 "rudra_learner_staleness_mean", "Mean σ of this learner's applied gradients.", labels=labels
             ),
-            "last_seen_s": GaugeMetricFamily(
-                "rudra_learner_last_seen_seconds", "Seconds since this learner's last request.", labels=labels
+            "last_seen": GaugeMetricFamily(
+                "rudra_learner_last_seen_timestamp_seconds",
+                "When a request of this learner last arrived or was answered (Unix time).",
+                labels=labels,
             ),
             "connected": GaugeMetricFamily(
                 "rudra_learner_connected", "1 while the learner is connected, 0 once it left.", labels=labels
             ),
         }
+        wall = time.time()
         for key, info in learners.items():
             values = [key, str(info["name"])[:MAX_NAME]]
+            info = {**info, "last_seen": wall - info["last_seen_s"]}
             for field, family in families.items():
                 family.add_metric(values, float(info[field]))
         yield from families.values()

@@ -74,6 +74,11 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _since(seconds: float) -> str:
+    """When something happened, said in words: "just now", "12 s ago"."""
+    return "just now" if seconds < 1 else f"{_ago(seconds)} ago"
+
+
 def _bytes(n: float | None) -> str:
     if n is None:
         return "–"
@@ -118,7 +123,7 @@ def render(s: dict[str, Any], width: int = 120) -> Any:
         ("applied", f"{s['gradients']:,}"),
         ("dropped, rejected", f"{s['dropped']:,}, {sum(s['rejected'].values()):,}"),
         ("memory (RSS)", _bytes(s.get("rss_bytes"))),
-        ("checkpoint", "none" if ckpt["age_s"] is None else f"{_ago(ckpt['age_s'])} ago, {ckpt['failed']} failed"),
+        ("checkpoint", "none" if ckpt["age_s"] is None else f"{_since(ckpt['age_s'])}, {ckpt['failed']} failed"),
     ]
     traffic = Text.assemble(
         ("traffic ", "dim"),
@@ -158,11 +163,11 @@ def render(s: dict[str, Any], width: int = 120) -> Any:
         *([("peer", "left")] if width >= 110 else []),
     ]:
         table.add_column(col, justify=justify, no_wrap=True, min_width=len(col), max_width=24)  # type: ignore[arg-type]
-    styles = {"training": "green", "waiting": "blue", "slow": "yellow", "gone": "red"}
+    styles = {"training": "green", "waiting": "blue", "slow": "yellow", "left": "dim", "gone": "red"}
     for key in sorted(s["learners"], key=int):
         info = s["learners"][key]
         state = (
-            "gone"
+            ("left" if info.get("left") == "bye" else "gone")
             if not info["connected"]
             else "slow"
             if info["slow"]

@@ -43,6 +43,17 @@ from .store import Background, WeightStore
 
 log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 
+#: every code a refusal is counted under in ``stats()["rejected"]``: the error codes of
+#: docs/wire.md (but ``shutting_down``, said to learners when the server stops, no refusal)
+#: and the connections closed without an ERROR; metrics show each from zero
+REFUSAL_CODES = (
+    "bad_magic", "bad_version", "frame_too_large", "malformed", "unknown_type", "bad_request", "bad_layout",
+    "no_weights", "read_only", "gradient_outlier", "too_many_connections", "evicted", "layout_mismatch",
+    "bad_groups", "groups_mismatch", "shard_mismatch", "not_registered", "no_state", "bad_shape", "bad_dtype",
+    "bad_gradient", "bad_timestamp", "stopped", "gradient_too_large", "update_not_finite", "reply_too_large",
+    "auth_required", "auth_failed", "auth_unavailable",
+    "auth_abandoned", "handshake_timeout", "idle_timeout", "reply_not_read", "push_not_written",
+)  # fmt: skip
 MAX_LOSSES = 1_000_000  # reported training losses kept for the loss curve
 MAX_RUN_SAMPLES = schema.INT64_MAX  # P saturates here (a checkpoint stores it as a msgpack int)
 #: an update whose bound on every intermediate value stays below this is applied in place
@@ -63,6 +74,7 @@ class LearnerInfo:
     applied: int = 0
     dropped: int = 0
     connected: bool = True
+    left_cleanly: bool = False  # it left with a bye (or the server shut down), not lost
     busy: int = 0  # requests of this learner the server is handling now
     #: of those, bare PULLs waiting for newer weights: a member that waits for weights
     #: instead of pushing would stall its round, so they do not keep it from being evicted
@@ -316,6 +328,7 @@ class ServerCore:
                     "gradients": info.applied,
                     "dropped": info.dropped,
                     "connected": info.connected,
+                    "left": None if info.connected else "bye" if info.left_cleanly else "lost",
                     "evictions": info.evictions,
                     "staleness_mean": info.staleness_mean,
                     "last_seen_s": now - info.last_active,
@@ -392,7 +405,7 @@ class ServerCore:
         """The learner's connection ended: with a bye (``clean``), or lost (crash, close).
         Beyond ``learner_history`` departed learners, the oldest is dropped from the table
         (its counts stay in the totals)."""
-        learner.connected = False
+        learner.connected, learner.left_cleanly = False, clean
         self._decide(self.protocol.leave(learner.learner_id))
         self._on_change()
         if clean:
