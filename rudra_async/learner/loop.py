@@ -20,7 +20,7 @@ from ..errors import LearnerError
 from .api import DistributedOptimizer, share_of_cores
 from .evaluation import evaluate
 from .parts import load_parts, scalar_loss
-from .tensorboard import open_log, updates_between
+from .tensorboard import open_log, server_step, updates_between
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,11 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
             now = time.monotonic()
             step_s, tick = now - tick, now
             tensorboard.record(
-                opt.steps,
+                server_step(stamp),  # the update this step's gradient was computed on
                 loss=last_loss,
                 staleness=updates_between(stamp, opt.timestamp),
                 samples_per_s=len(x) / step_s,
+                lr=opt.param_groups[0]["lr"],
             )
             if opts.progress_every and now - said >= opts.progress_every:
                 said = now
@@ -81,8 +82,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
                     last_loss,
                     extra={"step": opt.steps, "update": opt.timestamp, "loss": last_loss},
                 )
-        learner_id = opt.learner_id
-    tensorboard.close()
+        learner_id, last_stamp = opt.learner_id, opt.timestamp
     summary = {
         "learner_id": learner_id,
         "steps": opt.pushes,
@@ -93,4 +93,6 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     }
     if parts.test is not None:
         summary["test_accuracy"], _ = evaluate(model, parts.test.x_test, parts.test.y_test)
+        tensorboard.record(server_step(last_stamp), accuracy=summary["test_accuracy"])
+    tensorboard.close()
     return summary

@@ -1,7 +1,9 @@
-"""A learner's scalars for TensorBoard (``--tensorboard DIR``): loss, staleness and
-throughput per step, written through ``torch.utils.tensorboard`` (the ``tensorboard``
-extra). The training loop calls :meth:`TrainingLog.record` once per step; nothing else
-of the loop is known here.
+"""A learner's scalars for TensorBoard (``--tensorboard DIR``): loss, staleness,
+throughput and learning rate per step, and the final test accuracy, written through
+``torch.utils.tensorboard`` (the ``tensorboard`` extra). The step axis is the **server's
+clock** (the update the learner's weights came from), so that every learner's runs line
+up on one axis and with the server's metrics. The training loop calls
+:meth:`TrainingLog.record` once per step; nothing else of the loop is known here.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["TrainingLog", "check_directory", "open_log", "updates_between"]
+__all__ = ["TrainingLog", "check_directory", "open_log", "server_step", "updates_between"]
 
 MISSING = "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
 
 
 class TrainingLog:
     """Scalars under ``directory`` (one run of TensorBoard's): ``train/loss``,
-    ``train/staleness`` and ``train/samples_per_s``, by step."""
+    ``train/staleness``, ``train/samples_per_s``, ``train/lr`` and ``test/accuracy``, by
+    step (the server's clock)."""
 
     def __init__(self, directory: str) -> None:
         try:
@@ -39,12 +42,20 @@ class TrainingLog:
         loss: float | None = None,
         staleness: float | None = None,
         samples_per_s: float | None = None,
+        lr: float | None = None,
+        accuracy: float | None = None,
     ) -> None:
         """The figures of one step (those given)."""
         now = time.time()
-        for tag, value in (("loss", loss), ("staleness", staleness), ("samples_per_s", samples_per_s)):
+        for tag, value in (
+            ("train/loss", loss),
+            ("train/staleness", staleness),
+            ("train/samples_per_s", samples_per_s),
+            ("train/lr", lr),
+            ("test/accuracy", accuracy),
+        ):
             if value is not None:
-                self._writer.add_scalar(f"train/{tag}", value, step, walltime=now)
+                self._writer.add_scalar(tag, value, step, walltime=now)
 
     def close(self) -> None:
         self._writer.close()
@@ -60,15 +71,17 @@ class _NoLog:
         pass
 
 
+def server_step(stamp: Any) -> int:
+    """The server's clock in a stamp (with shards, shard 0's): a TensorBoard step."""
+    return int(stamp[0] if isinstance(stamp, tuple) else stamp)
+
+
 def updates_between(stamp: Any, newer: Any) -> int:
     """Updates the server made between the weights a gradient was computed on (``stamp``)
     and those that came back with its push (``newer``), the gradient's own excepted: its
     staleness σ under async (with shards, shard 0's clock)."""
 
-    def first(t: Any) -> int:
-        return int(t[0] if isinstance(t, tuple) else t)
-
-    return max(0, first(newer) - first(stamp) - 1)
+    return max(0, server_step(newer) - server_step(stamp) - 1)
 
 
 def open_log(directory: str | None, name: str) -> TrainingLog | _NoLog:
