@@ -63,20 +63,21 @@ def test_train_runs_the_users_model_data_and_loss(tmp_path):
     assert losses[-1] < losses[0]  # the regression trains
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--model", "mine:model", "--data", "mine:broken_data"],
-         "data function 'mine:broken_data' raised ValueError: the bucket is empty"),
-        (["--model", "mine:model", "--data", "mine:data", "--loss", "mine:per_sample"],
-         "loss 'mine:per_sample' returned [16], expected a scalar tensor"),
-        (["--model", "nowhere:model", "--data", "mine:data"],
-         "--model 'nowhere:model': cannot import module 'nowhere' from the current directory or PYTHONPATH"),
-        (["--model", "mine:nothing", "--data", "mine:data"], "--model 'mine:nothing': module 'mine' has no 'nothing'"),
-        (["--model", "mlp", "--data", "mine:data"], "with --data give --model module:function"),
-    ],
-)  # fmt: skip
-def test_bad_parts_are_one_line_errors_and_the_server_goes_on(tmp_path, args, message):
+BAD_PARTS = [
+    (["--model", "mine:model", "--data", "mine:broken_data"],
+     "data function 'mine:broken_data' raised ValueError: the bucket is empty"),
+    (["--model", "mine:model", "--data", "mine:data", "--loss", "mine:per_sample"],
+     "loss 'mine:per_sample' returned [16], expected a scalar tensor"),
+    (["--model", "nowhere:model", "--data", "mine:data"],
+     "--model 'nowhere:model': cannot import module 'nowhere' from the current directory or PYTHONPATH"),
+    (["--model", "mine:nothing", "--data", "mine:data"], "--model 'mine:nothing': module 'mine' has no 'nothing'"),
+    (["--model", "mlp", "--data", "mine:data"], "with --data give --model module:function"),
+]  # fmt: skip
+
+
+def test_bad_parts_are_one_line_errors_and_the_server_goes_on(tmp_path):
+    """Each bad part, one after the other against the same server: a one-line error, and the
+    server serves the learner after it as if nothing had happened."""
     (tmp_path / "mine.py").write_text(USER_MODULE)
     port = free_port()
     server = start_server(port, "--protocol", "async", "--max-updates", "3")
@@ -84,10 +85,11 @@ def test_bad_parts_are_one_line_errors_and_the_server_goes_on(tmp_path, args, me
             "mine:data", "--loss", "mse", "--batch-size", "16"]  # fmt: skip
     try:
         assert run_in(tmp_path, *good, "--steps", "1").returncode == 0  # the model the server holds
-        bad = run_in(tmp_path, "learner", "--connect", f"tcp://127.0.0.1:{port}", "--batch-size", "16", *args)
-        assert bad.returncode == 2, bad.stderr
-        assert message in bad.stderr and "Traceback" not in bad.stderr
-        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        for args, message in BAD_PARTS:
+            bad = run_in(tmp_path, "learner", "--connect", f"tcp://127.0.0.1:{port}", "--batch-size", "16", *args)
+            assert bad.returncode == 2, bad.stderr
+            assert message in bad.stderr and "Traceback" not in bad.stderr, (message, bad.stderr)
+            assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
         after = run_in(tmp_path, *good)
         assert after.returncode == 0, after.stderr
         assert last_json(after.stdout)["steps"] == 2  # the server's run ends at 3 updates

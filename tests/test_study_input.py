@@ -49,7 +49,7 @@ def test_a_run_with_its_own_data_has_no_test_error_and_the_study_goes_on(tmp_pat
 @pytest.mark.parametrize(
     "settings, names",
     [
-        ({"data": "m:data", "loss": "m:loss"}, "data, loss"),
+        ({"data": "m:data", "loss": "m:loss", "model": "m:model"}, "data, loss"),
         ({"overlap": True, "transport": "shm"}, "transport, overlap"),
         ({"device": "cuda", "threads": 2}, "device, threads"),
         ({"shards": 2}, "shards"),

@@ -75,17 +75,19 @@ def _check_point(point: dict[str, Any]) -> None:
     mode = point["mode"]
     if mode not in MODES:
         raise ConfigError(f"mode must be 'simulated' or 'processes', got {mode!r}")
-    cfg = to_config(point)
+    cfg = to_config(point, validate=False)
     if mode == "processes":
         given = [key for key in SIM_KEYS if key in point]
         if given:
             raise ConfigError(f"mode = 'processes' ignores {', '.join(given)} (settings of the simulation's schedule)")
+        cfg.validate()
         return
     for key in SIM_KEYS:
         _check_spread(key, point.get(key, 0.0))
     from .simulate import check_simulated
 
-    check_simulated(cfg)
+    check_simulated(cfg)  # first: what a simulation ignores is the error to name
+    cfg.validate()
 
 
 def _check_spread(key: str, value: Any) -> None:
@@ -98,11 +100,12 @@ def run_id(point: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(point, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def to_config(point: dict[str, Any]) -> TrainConfig:
-    """The run a point describes (its settings are those of ``rudra-async train``)."""
+def to_config(point: dict[str, Any], validate: bool = True) -> TrainConfig:
+    """The run a point describes (its settings are those of ``rudra-async train``), validated
+    unless ``validate`` is False."""
     settings = {k: v for k, v in point.items() if k not in POINT_KEYS}
     cfg: TrainConfig = from_flat(TrainConfig, settings, exclude=TrainConfig.SET_BY_RUN, where="study point")
-    return cfg.validate()
+    return cfg.validate() if validate else cfg
 
 
 def run_point(point: dict[str, Any]) -> dict[str, Any]:
