@@ -175,9 +175,7 @@ async def test_a_gradient_far_outside_the_runs_history_is_refused_and_checkpoint
             w = await client.push_pull(rng.standard_normal(LAYOUT.size).astype(np.float32) * 0.1, w.timestamp)
         await client.close()
     newest, previous = ckpt.load(path), ckpt.load(f"{path}.1")
-    assert (
-        newest.clock == 45 and 30 <= previous.clock < 45
-    )  # a periodic one (due at 30 or 40, its weights taken a little later)
+    assert newest.clock == 45 and 10 <= previous.clock < 45  # a periodic one (one at a time: a slow disk skips some)
     assert not (tmp_path / "run.ckpt.2").exists()  # --checkpoint-keep 2: the newest and the one before
 
 

@@ -31,6 +31,7 @@ from ..errors import ConfigError, PeerGone, RudraError, UpdateFailed
 from ..eventloop import outlast
 from ..logs import rate_limited
 from ..transports.base import Connection, Listener, SharedMemory
+from ..transports.stream import close_lingering
 from ..wire import Frame, Limits, MsgType
 from .checkpointer import Checkpointer
 from .core import GradientSize, LearnerInfo, ServerCore, learner_extra
@@ -202,6 +203,7 @@ class ParameterServer:
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
+        close_lingering()  # the last replies of refused connections still draining
         store = self.core.store
         try:
             if self.failure is None:

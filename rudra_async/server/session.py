@@ -248,9 +248,9 @@ class Session:
         """The server is shutting down: tell a registered learner so (a fatal ERROR
         ``shutting_down``, without ``seq``, the reply its next request reads) before its
         connection closes, where the transport can send it now; best effort."""
-        if self.state is State.READY:
+        if self.state is State.READY:  # no hang_up: a lingering close would outlive the server's loop
             message = f"the server is shutting down: {reason}"
-            self.conn.hang_up(MsgType.ERROR, {"code": "shutting_down", "message": message, "fatal": True})
+            self.conn.tell(MsgType.ERROR, {"code": "shutting_down", "message": message, "fatal": True})
 
     def _await_request(self) -> None:
         """Set the deadline for the next request: the handshake's (fixed at accept) until

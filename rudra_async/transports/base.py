@@ -190,16 +190,22 @@ class Connection(abc.ABC):
         self._inbox_nbytes = 0
         self._end()
 
-    def hang_up(self, msg_type: int, meta: dict[str, Any]) -> None:
-        """Send one last small frame (an ERROR saying why) where it can be sent at once, and
-        close so that it reaches the peer even if the peer is still sending (where the
-        transport can: a half-close, not a reset). Never raises."""
+    def tell(self, msg_type: int, meta: dict[str, Any]) -> bool:
+        """Send one small frame without a body where it can be sent at once (True), else
+        nothing (False). Never raises: for a best-effort notice."""
         try:
             if self.nowait_room(0):
                 self.send_nowait(msg_type, meta)
-                self._linger = True
+                return True
         except RudraError:
             pass
+        return False
+
+    def hang_up(self, msg_type: int, meta: dict[str, Any]) -> None:
+        """:meth:`tell` the peer one last frame (an ERROR saying why) and close so that it
+        reaches the peer even if the peer is still sending (where the transport can: a
+        half-close and a little while of discarded input, not a reset). Never raises."""
+        self._linger = self.tell(msg_type, meta)
         self.close()
 
     def nowait_room(self, body_bytes: int) -> bool:

@@ -29,6 +29,23 @@ from .polling import loop_poller
 
 LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
 
+#: transports half-closed and draining their input (see ``_close_link``), with their loops
+_lingering: dict[asyncio.BaseTransport, asyncio.AbstractEventLoop] = {}
+
+
+def _close_lingering_one(transport: asyncio.BaseTransport) -> None:
+    _lingering.pop(transport, None)
+    transport.close()
+
+
+def close_lingering() -> None:
+    """Close at once the connections of this thread's loop still draining input after a last
+    reply: a server shutting down, whose loop must not outlive them."""
+    loop = asyncio.get_running_loop()
+    for transport in [t for t, owner in _lingering.items() if owner is loop]:
+        _close_lingering_one(transport)
+
+
 OnMade = Callable[["StreamConnection"], None]
 
 
@@ -257,7 +274,9 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             transport.write_eof()
             if self._reading_paused:
                 transport.resume_reading()
-            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+            loop = asyncio.get_running_loop()
+            _lingering[transport] = loop
+            loop.call_later(LINGER_S, _close_lingering_one, transport)
         else:
             transport.close()
 
