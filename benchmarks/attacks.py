@@ -4,11 +4,11 @@ real server (in this process) with learners and attackers in other processes:
 1. a hardsync run of two learners (numpy, small model) and a client that pulls every 1 s or
    0.5 s but never pushes: updates/s and evictions with ``--learner-timeout 2``, and with the
    client saying it only reads (HELLO ``reader``) and no timeout; the clean run beside them;
-2. a flood of idle connections (two processes, each opening and dropping connections as
-   fast as it can) while LEARNERS learners join one after another over a secret (the
+2. a flood of idle connections (``--flooders`` processes, each opening and dropping
+   connections as fast as it can) while LEARNERS learners join one after another over a secret (the
    learner's SyncClient with ``wait``): joins that failed, and join times.
 
-    python benchmarks/attacks.py [--seconds 6] [--learners 22]
+    python benchmarks/attacks.py [--seconds 6] [--learners 22] [--flooders 2]
 
 Prints one line per figure (medians where there are several).
 """
@@ -112,15 +112,17 @@ def join_once(url: str, out: Any) -> None:
         out.put(f"{type(exc).__name__}: {exc}")
 
 
-async def flooded_joins(learners: int, seconds: float) -> tuple[list[float], list[str], int, dict[str, int]]:
+async def flooded_joins(
+    learners: int, seconds: float, flooders: int
+) -> tuple[list[float], list[str], int, dict[str, int]]:
     cfg = ServerConfig(listen=["tcp://127.0.0.1:0"], kernel="numpy")
     async with ParameterServer(cfg, secret=SECRET) as ps:
         url = ps.addresses[0]
         port = int(url.rsplit(":", 1)[1])
         ctx = mp.get_context("spawn")
         counter = ctx.Value("i", 0)
-        flooders = [ctx.Process(target=flood, args=(port, seconds + 60, counter)) for _ in range(2)]
-        for p in flooders:
+        procs = [ctx.Process(target=flood, args=(port, seconds + 60, counter)) for _ in range(flooders)]
+        for p in procs:
             p.start()
         await asyncio.sleep(1.0)
         out: Any = ctx.Queue()
@@ -133,7 +135,7 @@ async def flooded_joins(learners: int, seconds: float) -> tuple[list[float], lis
             await asyncio.to_thread(p.join, 10)
             (times if isinstance(result, float) else failures).append(result)
         rate = int((counter.value - connections_before) / (time.monotonic() - flood_started))
-        for p in flooders:
+        for p in procs:
             p.kill()
             p.join()
         return times, failures, rate, dict(ps.core.rejected)
@@ -143,6 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--learners", type=int, default=22)
+    parser.add_argument("--flooders", type=int, default=2)
     args = parser.parse_args()
     for label, every, reader, timeout in [
         ("clean hardsync, 2 learners", None, False, None),
@@ -152,7 +155,7 @@ def main() -> None:
     ]:
         rate, evictions = run(pulled_round(args.seconds, every, reader, timeout))
         print(f"(1) {label}: {rate:.0f} updates/s, {evictions} evictions", flush=True)
-    times, failures, rate, rejected = run(flooded_joins(args.learners, args.seconds))
+    times, failures, rate, rejected = run(flooded_joins(args.learners, args.seconds, args.flooders))
     print(
         f"(3) {args.learners} learner joins under a flood of ~{rate} idle connections/s: {len(failures)} failed; "
         f"join time median {statistics.median(times) if times else float('nan'):.2f} s, "
