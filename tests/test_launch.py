@@ -89,7 +89,7 @@ def test_a_slurm_job_of_two_shard_servers_and_two_learners_trains_and_ends(tmp_p
     assert sorted(r["index"] for r in learners) == [0, 1]
     assert 198 <= sum(r["steps"] for r in learners) <= 200  # a push racing the stop may count on one shard only
     print("learners' test accuracy:", [r["test_accuracy"] for r in learners])
-    assert all(r["test_accuracy"] > 0.5 for r in learners), learners
+    assert all(r["test_accuracy"] > 0.5 for r in learners), json.dumps(learners)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0", "ckpt-1"]  # addresses unpublished, checkpoints written
     run = run_cli("evaluate", str(tmp_path / "ckpt-0"), str(tmp_path / "ckpt-1"), "--json")
     assert run.returncode == 0 and json.loads(run.stdout)["clocks"] == [200, 200], run.stderr

@@ -422,19 +422,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self, grads: Gradient, stamp: Stamp, step: int, samples: int, loss: float | None, lr: list[float] | None
     ) -> Weights | None:
         """push+pull, surviving a lost server for ``reconnect`` seconds (the gradient is then
-        lost). None: the push was refused because the run is over, and no weights came."""
+        lost). A push refused because the run is over is followed by a pull of the run's final
+        weights (so that a learner that joined late still ends with the trained model); None
+        if even those cannot be had."""
         try:
             weights = self.client.push_pull(grads, stamp, step, samples, loss, lr)
             self.pushes += 1
             return weights
         except RemoteError as exc:
-            if exc.code == "stopped":
-                return None
-            raise
+            if exc.code != "stopped":
+                raise
         except TransportError as exc:  # a server shutting down says why (PeerGone with its reason)
             if not self.reconnect:
                 raise
             return self._reconnect(exc, stamp)
+        try:  # the run is over: its final weights
+            return self.client.pull()
+        except (RemoteError, TransportError):
+            return None
 
     def _reconnect(self, lost: Exception, stamp: Stamp) -> Weights:
         """Reach the server again (for up to ``reconnect`` seconds) and take the run's state."""
