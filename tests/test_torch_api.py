@@ -337,10 +337,10 @@ def test_closing_an_overlapping_learner_leaves_the_model_on_the_newest_weights(m
         np.testing.assert_array_equal(params_of(model)[0], ps.weights()["weight"])
 
 
-def test_an_overlapping_learner_whose_push_comes_after_the_run_ended_keeps_its_weights():
+def test_an_overlapping_learner_whose_push_comes_after_the_run_ended_takes_the_final_weights():
     """Another learner ends the run while this one's exchange is in flight: the push is
-    refused (stopped) and brings no weights, so the next step() returns False and the model
-    stays on the weights it had, at their timestamp."""
+    refused (stopped), the run's final weights are pulled instead, so the next step() returns
+    False with the model on the final weights, at their timestamp."""
     from rudra_async import SyncClient
 
     torch.manual_seed(0)
@@ -355,16 +355,21 @@ def test_an_overlapping_learner_whose_push_comes_after_the_run_ended_keeps_its_w
             nn.functional.cross_entropy(model(x), y).backward()
             return opt.step(samples=8)
 
+        def flat_model() -> np.ndarray:
+            return np.concatenate([p.reshape(-1) for p in params_of(model)])
+
         assert step() and step()
         opt._pending.result()  # the server is at 2 updates: this learner's exchange is done
         at_two = other.pull().array.copy()
         other.push(np.ones(opt.flat.layout.size, np.float32), 2)  # the 3rd update: the run is over
-        for expected in (True, False):  # takes the weights of update 2, its push is refused; then stops
-            assert step() == expected and opt.timestamp == 2
-            np.testing.assert_array_equal(np.concatenate([p.reshape(-1) for p in params_of(model)]), at_two)
+        at_three = other.pull().array.copy()
+        assert step() is True and opt.timestamp == 2  # takes the weights of update 2; its push is refused
+        np.testing.assert_array_equal(flat_model(), at_two)
+        assert step() is False and opt.timestamp == 3  # the run's final weights came instead
+        np.testing.assert_array_equal(flat_model(), at_three)
         opt.close()
         other.close()
-        assert ps.clock == 3 and opt.timestamp == 2
+        assert ps.clock == 3
 
 
 def test_a_device_models_gradient_once_sent_is_let_go_of_as_on_the_cpu():
