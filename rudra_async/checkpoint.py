@@ -38,11 +38,13 @@ import msgpack
 import numpy as np
 
 from .errors import CheckpointError, ConfigError, RudraError, quoted
+from .groups import parse_groups
 from .kernels import max_abs
 from .layout import Layout, Shard
 from .lr import MAX_WINDOW, check_policy_state
 from .model_state import StateLayout
 from .schema import is_count
+from .staleness import parse_histogram
 from .wire import HEADER_SIZE, Limits, MsgType, encode_frame, parse_segments, spec_of, unpack_header
 
 __all__ = [
@@ -344,9 +346,6 @@ def _check_state(state: Any, layout: Layout) -> None:
     mean-staleness state if it has that policy's keys), whose ``groups``, if present,
     cover ``layout``, and whose ``rates``, if present, are one base rate per group. Raises
     ValueError or RequestError naming what is wrong."""
-    from .server.groups import parse_groups  # here: rudra_async.server imports this module
-    from .server.stats import parse_histogram
-
     if not isinstance(state, dict):
         raise ValueError(f"must be a map, got {type(state).__name__}")
     parse_histogram(state.get("staleness", {}))

@@ -39,7 +39,7 @@ from .eventloop import PrivateLoop, run_sync, serving_here
 from .layout import Layout, Shard
 from .model_state import StateLayout
 from .transports.blocking import BlockingConnection
-from .wire import Allocator, Frame, Limits, MsgType
+from .wire import DEFAULT_TIMEOUT, Allocator, Frame, Limits, MsgType
 
 __all__ = [
     "Ack",
@@ -189,7 +189,7 @@ class Client:
         initial: np.ndarray | None = None,
         *,
         name: str | None = None,
-        timeout: float = 10.0,
+        timeout: float = DEFAULT_TIMEOUT,
         limits: Limits = Limits(),
         shard: Shard | None = None,
         groups: Sequence[Sequence[Any]] | None = None,
@@ -234,7 +234,7 @@ class Client:
         initial: np.ndarray | None = None,
         *,
         name: str | None = None,
-        timeout: float = 10.0,
+        timeout: float = DEFAULT_TIMEOUT,
         shard: Shard | None = None,
         groups: Sequence[Sequence[Any]] | None = None,
         secret: bytes | str | None = None,
@@ -778,7 +778,7 @@ class SyncClient:
 
     def _connect(self) -> Client | ShardedClient:
         url, layout, initial, kwargs = self._connect_args
-        limits, timeout, tls = kwargs.get("limits", Limits()), kwargs.get("timeout", 10.0), kwargs.get("tls")
+        limits, timeout, tls = kwargs.get("limits", Limits()), kwargs.get("timeout", DEFAULT_TIMEOUT), kwargs.get("tls")
         channel = None if "," in url else transports.connect_blocking(url, limits=limits, timeout=timeout, tls=tls)
         if channel is None:
             self._loop = self._loop or PrivateLoop()

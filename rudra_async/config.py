@@ -12,18 +12,24 @@ variables and the study's allowed keys are all derived from these classes.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from . import registry
+from .addresses import is_loopback_host
 from .checkpoint import shard_path
 from .errors import ConfigError
 from .layout import Shard
-from .learner.tensorboard import check_directory
-from .lr import MAX_WINDOW
+from .lr import MAX_WINDOW, LRPolicy
 from .options import check_ranges, flat_fields, section, setting
-from .security import is_loopback_host
-from .wire import DEFAULT_MAX_BODY
+from .sync import SyncProtocol, overlap_breaks
+from .wire import DEFAULT_MAX_BODY, DEFAULT_TIMEOUT
+
+if TYPE_CHECKING:
+    from .transports.base import Transport
 
 __all__ = [
     "DEFAULT_LISTEN",
@@ -35,20 +41,46 @@ __all__ = [
 ]
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
+TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
 
 #: built-in protocol -> (its option, the config field holding it)
 PROTOCOL_OPTIONS = {"softsync": ("n", "n"), "bounded": ("s", "staleness_bound"), "backup": ("b", "backup")}
 
 
+def make_protocol(cfg: ServerConfig) -> SyncProtocol:
+    """The synchronization protocol ``cfg`` names (built in or a plugin), with its options."""
+    proto: SyncProtocol = registry.create("protocol", cfg.protocol, cfg.protocol_kwargs(), SyncProtocol)
+    return proto
+
+
+def make_lr_policy(cfg: ServerConfig) -> LRPolicy:
+    """The learning-rate policy ``cfg`` names (built in or a plugin), with its options."""
+    policy: LRPolicy = registry.create("lr policy", cfg.lr_policy, cfg.lr_policy_kwargs(), LRPolicy)
+    return policy
+
+
 def check_overlap(server: ServerConfig, learner: LearnerOptions) -> None:
     """ConfigError for learners that overlap under a protocol that would drop their gradients."""
     if learner.overlap:
-        from .server.core import make_protocol
-        from .sync import overlap_breaks
-
         why = overlap_breaks(make_protocol(server).describe())
         if why is not None:
             raise ConfigError(f"--overlap cannot train with --protocol {server.protocol}: {why}")
+
+
+def check_directory(directory: str) -> None:
+    """Raise, without importing torch, the ConfigError a learner's :func:`rudra_async.learner.tensorboard.open_log` would
+    for ``directory`` (so a run fails before its processes start): the tensorboard package
+    is missing, or the nearest existing path on the way to ``directory`` is not a directory
+    one can write into."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(TENSORBOARD_MISSING)
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--tensorboard {directory}: cannot write there ({existing} is not a directory)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--tensorboard {directory}: cannot write there ({existing} is not writable)")
 
 
 def check_tls_pair(server: ServerConfig, tls_ca: str | None) -> None:
@@ -144,7 +176,7 @@ class ServerConfig:
         None, "Require learners to present a TLS certificate signed by this CA (PEM).", metavar="FILE"
     )
     handshake_timeout: float = setting(
-        10.0, "Seconds a new connection has to authenticate and say hello before it is closed.", above=0
+        DEFAULT_TIMEOUT, "Seconds a new connection has to authenticate and say hello before it is closed.", above=0
     )
     idle_timeout: float = setting(
         300.0,
@@ -395,7 +427,7 @@ class LearnerConfig:
         low=1,
     )
     name: str | None = setting(None, "Name the server shows for this learner (default: host:pid).")
-    timeout: float = setting(10.0, "Connect timeout in seconds.", above=0)
+    timeout: float = setting(DEFAULT_TIMEOUT, "Connect timeout in seconds.", above=0)
     secret_file: str | None = setting(
         None, "File holding the server's shared secret (default: the RUDRA_ASYNC_SECRET variable).", metavar="FILE"
     )
@@ -449,14 +481,12 @@ class TrainConfig:
         return [name for name, (_, f, _) in flat_fields(cls, exclude=cls.SET_BY_RUN).items() if f.metadata["cli"]]
 
     def validate(self) -> TrainConfig:
-        from .transports import transport_for
-
         check_ranges(self)
         self.learner.validate()
         self.server.validate().check_learners(self.learners)
         check_overlap(self.server, self.learner)
         check_tls_pair(self.server, self.tls_ca)
-        if transport_for(self.listen_url()).in_process:
+        if self._transport().in_process:
             raise ConfigError(f"transport {self.transport!r} cannot reach learner processes; use tcp, shm or ucx")
         self.server.check_shards(self.shards)
         return self
@@ -470,12 +500,14 @@ class TrainConfig:
         )
 
     def listen_url(self) -> str:
-        """Where the run's server listens: a fresh name or port on this machine."""
-        from .transports.base import format_host_port
+        """Where the run's server listens: a fresh address on this machine, as the transport
+        makes one (:meth:`~rudra_async.transports.base.Transport.fresh_address`)."""
+        return self._transport().fresh_address(self.host)
 
-        if self.transport == "shm":
-            return "shm://"
-        return format_host_port(self.transport, self.host, 0)
+    def _transport(self) -> Transport:
+        from .transports import transport_for  # here: importing config loads no transport (no socket, no TLS)
+
+        return transport_for(f"{self.transport}://")
 
     def steps_per_learner(self, n_train: int) -> int | None:
         """Epochs count samples over all learners: each does epochs·N/(λμ) steps (with a

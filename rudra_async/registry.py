@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import Any
 
 from .errors import ConfigError
+
+
+def entry_points(group: str, name: str | None = None) -> Any:
+    """The installed entry points of ``group`` (``importlib.metadata``, imported here: it loads
+    ``email`` and with it ``socket``, which importing the I/O-free core must not)."""
+    from importlib import metadata
+
+    found = metadata.entry_points(group=group)
+    return found if name is None else found.select(name=name)
+
 
 PROTOCOLS = {
     "async": "rudra_async.sync:Async",

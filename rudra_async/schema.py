@@ -22,8 +22,7 @@ from typing import Any, TypeGuard
 import msgpack
 
 from .errors import RequestError, quoted
-from .security import NONCE_BYTES
-from .wire import MAX_DIMS, MAX_SEGMENTS, MsgType, is_int
+from .wire import MAX_DIMS, MAX_SEGMENTS, NONCE_BYTES, MsgType, is_int
 
 __all__ = ["FIELDS", "Field", "check", "markdown_table"]
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
-import ipaddress
 import math
 import os
 import secrets
@@ -27,16 +26,16 @@ import ssl
 import stat
 import weakref
 from collections.abc import Mapping
-from urllib.parse import urlsplit
 
+from .addresses import is_loopback_host
 from .errors import ConfigError
+from .wire import NONCE_BYTES
 
 __all__ = [
     "MIN_SECRET_BYTES",
     "SECRET_ENV",
     "client_proof",
     "client_tls",
-    "is_loopback",
     "is_loopback_host",
     "load_secret",
     "load_token",
@@ -53,7 +52,6 @@ SECRET_ENV = "RUDRA_ASYNC_SECRET"
 MIN_SECRET_BYTES = 16
 MIN_DISTINCT_BYTES = 8
 MIN_ESTIMATED_BITS = 40
-NONCE_BYTES = 32
 _SERVER_LABEL = b"rudra-async v1 server"
 _CLIENT_LABEL = b"rudra-async v1 client"
 
@@ -212,24 +210,3 @@ def _load_ca(ctx: ssl.SSLContext, ca: str) -> None:
         ctx.load_verify_locations(cafile=ca)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"cannot load the TLS CA file {ca}: {exc}") from None
-
-
-# -- addresses ------------------------------------------------------------------------------
-def is_loopback_host(host: str) -> bool:
-    """Whether only this host can reach ``host``: a loopback address or ``localhost``."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def is_loopback(url: str) -> bool:
-    """True when only this host can reach ``url``: a tcp (or ucx) address on a loopback
-    address or ``localhost``, or a same-host scheme (``shm``, ``memory``). UCX listens on
-    every interface whatever the host, so a ``ucx://`` address is never loopback."""
-    parts = urlsplit(url)
-    if parts.scheme in ("shm", "memory"):
-        return True
-    return parts.scheme == "tcp" and is_loopback_host(parts.hostname or "")

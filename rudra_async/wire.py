@@ -34,8 +34,10 @@ __all__ = [
     "ALLOWED_DTYPES",
     "DEFAULT_MAX_BODY",
     "DEFAULT_MAX_META",
+    "DEFAULT_TIMEOUT",
     "HEADER_SIZE",
     "MAGIC",
+    "NONCE_BYTES",
     "WIRE_VERSION",
     "Admit",
     "Allocator",
@@ -60,6 +62,10 @@ HEADER_SIZE = HEADER.size  # 24
 
 DEFAULT_MAX_META = 1 << 20  # 1 MiB of metadata is far more than any message needs
 DEFAULT_MAX_BODY = 1 << 33  # 8 GiB; 64-bit lengths, so no 2 GB cliff
+#: seconds, by default, to connect and to say hello (a client's connect, a server's hello timeout)
+DEFAULT_TIMEOUT = 10.0
+#: bytes of each nonce of the authentication handshake (HELLO's and WELCOME's ``nonce``)
+NONCE_BYTES = 32
 MAX_DIMS = MAX_TENSOR_DIMS  # dimensions of a segment: those of a tensor
 #: segments of one frame at most: a push has at most one per tensor, and a layout at most
 #: this many tensors (``schema.MAX_TENSORS``). Checking each costs a few µs of Python: this

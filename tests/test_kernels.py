@@ -344,7 +344,7 @@ def test_torch_update_into_another_buffer_equals_the_update_in_place_bit_for_bit
 
 
 def test_max_abs_reads_block_by_block_and_sees_a_nan_or_inf_in_any_block():
-    from rudra_async.kernels import MAX_ABS_BLOCK, max_abs
+    from rudra_async.kernels.base import MAX_ABS_BLOCK, max_abs
 
     a = np.linspace(-3.0, 2.0, 3 * MAX_ABS_BLOCK + 5 * 7, dtype=np.float32)
     assert max_abs(a) == 3.0 and max_abs(a[: a.size // 5 * 5].reshape(-1, 5)) == 3.0 and max_abs(a[:0]) == 0.0
@@ -357,7 +357,7 @@ def test_max_abs_reads_block_by_block_and_sees_a_nan_or_inf_in_any_block():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_measures_max_abs_exactly(backend):
-    from rudra_async.kernels import MAX_ABS_BLOCK
+    from rudra_async.kernels.base import MAX_ABS_BLOCK
 
     up = make_updater(backend, 4)
     a = np.linspace(-3.0, 2.0, 4 * MAX_ABS_BLOCK + 7, dtype=np.float32)  # above torch_kernel.AMINMAX_MIN_VALUES

@@ -5,9 +5,8 @@ import pytest
 from helpers import run_server
 
 from rudra_async import ConfigError, registry
-from rudra_async.config import ServerConfig
+from rudra_async.config import ServerConfig, make_lr_policy, make_protocol
 from rudra_async.lr import Constant, MeanStaleness, Schedule, Staleness, StalenessPlusOne
-from rudra_async.server.core import make_lr_policy, make_protocol
 from rudra_async.sync import Softsync, SyncProtocol
 
 

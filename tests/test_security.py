@@ -20,7 +20,7 @@ from helpers import (
     start_server,
 )
 
-from rudra_async import checkpoint, security
+from rudra_async import checkpoint, security, transports
 from rudra_async.client import Client, SyncClient
 from rudra_async.config import ServerConfig
 from rudra_async.errors import ConfigError, ConnectError, RemoteError
@@ -191,8 +191,8 @@ def test_a_server_will_not_serve_other_hosts_without_a_secret(tmp_path):
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert lines[-1].startswith("error: refusing to listen on") and "--insecure" in lines[-1], proc.stderr
         assert "Traceback" not in proc.stderr
-    assert security.is_loopback("tcp://127.0.0.1:7000") and security.is_loopback("tcp://[::1]:1")
-    assert not security.is_loopback("ucx://127.0.0.1:1") and security.is_loopback("shm://x")
+    assert transports.is_loopback("tcp://127.0.0.1:7000") and transports.is_loopback("tcp://[::1]:1")
+    assert not transports.is_loopback("ucx://127.0.0.1:1") and transports.is_loopback("shm://x")
     port = free_port()
     server = start_cli("server", "--listen", f"tcp://0.0.0.0:{port}", "--insecure", "--kernel", "numpy")
     try:
@@ -340,3 +340,43 @@ async def test_closing_a_tls_server_during_handshakes_leaves_no_session_behind(p
     assert not ps._sessions and not ps._unregistered
     for _, writer in silent:
         writer.close()
+
+
+def test_a_transport_declares_whether_only_this_host_reaches_it():
+    """``same_host`` (shm, memory, a plugin's Unix socket) makes every address loopback; tcp
+    asks its host; a transport that declares nothing is reachable from other hosts."""
+
+    class SameHost(transports.Transport):
+        scheme = "samehost"
+        same_host = True
+
+        async def connect(self, url, *, limits, timeout):
+            raise NotImplementedError
+
+        async def listen(self, url, on_connection, *, limits, on_accept=None):
+            raise NotImplementedError
+
+    class Undeclared(SameHost):
+        scheme = "undeclared"
+        same_host = False
+
+    assert SameHost().reaches_only_this_host("samehost://anything")
+    assert not Undeclared().reaches_only_this_host("undeclared://127.0.0.1:1")
+    assert Undeclared().fresh_address("::1") == "undeclared://[::1]:0"
+    assert transports.transport_for("shm://").fresh_address() == "shm://"
+    assert not transports.is_loopback("tcp://10.0.0.1:7000") and transports.is_loopback("memory://x")
+
+
+def test_the_plain_traffic_warning_names_what_is_missing(pki, caplog):
+    """With --tls-cert given, an exposed address whose transport has no TLS is named as such
+    (not told to give --tls-cert); without it, the warning says to give it."""
+    tls = dict(tls_cert=pki["host.pem"], tls_key=pki["host.key"])
+    with caplog.at_level("WARNING", logger="rudra_async"):
+        ParameterServer(ServerConfig(listen=["ucx://0.0.0.0:0"], kernel="numpy", **tls), secret=SECRET)
+        ParameterServer(ServerConfig(listen=["tcp://0.0.0.0:0"], kernel="numpy", **tls), secret=SECRET)
+        ParameterServer(ServerConfig(listen=["tcp://0.0.0.0:0"], kernel="numpy"), secret=SECRET)
+    plain = [r.getMessage() for r in caplog.records if "not encrypted" in r.getMessage()]
+    assert plain == [
+        "traffic on ucx://0.0.0.0:0 is not encrypted (ucx://: its transport has no TLS)",
+        "traffic on tcp://0.0.0.0:0 is not encrypted (tcp://: give --tls-cert for TLS)",
+    ]

@@ -23,7 +23,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from . import Group, Steps, Updater, as_groups, check_batch, check_momentum
+from .base import Group, Steps, Updater, as_groups, check_batch, check_momentum
 from .cuda_source import KERNEL_SOURCES, kernel_name
 
 _THREADS = 256

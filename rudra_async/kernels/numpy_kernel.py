@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import SGD, HostUpdater, Steps, check_batch, within
+from .base import SGD, HostUpdater, Steps, check_batch, within
 
 BLOCK = 1 << 16
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from . import SGD, Group, HostUpdater, Steps, check_batch, max_abs, within
+from .base import SGD, Group, HostUpdater, Steps, check_batch, max_abs, within
 
 BLOCK = 1 << 20  # 4 MiB of float32 per operand: few Python calls, still cache-friendly
 #: below this many values numpy's max_abs is as fast or faster (1K–256K: 3–10% faster, timeit)

@@ -52,10 +52,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import security
+from .. import transports
 from ..client import Gradient, Stamp, SyncClient, Weights, went_back
 from ..errors import LearnerError, RemoteError, TransportError, quoted
 from ..sync import overlap_breaks
+from ..wire import DEFAULT_TIMEOUT
 from . import sampler
 from .binding import FlatParameters, sparse_gradients
 from .state import ModelState
@@ -162,7 +163,7 @@ def set_threads(threads: int | Literal["auto"] | None, learners: int, url: str) 
     if threads != "auto":
         torch.set_num_threads(max(1, int(threads)))
         return
-    if "OMP_NUM_THREADS" in os.environ or not all(security.is_loopback(u) for u in url.split(",")):
+    if "OMP_NUM_THREADS" in os.environ or not all(transports.is_loopback(u) for u in url.split(",")):
         return
     share = share_of_cores(learners)
     if share < torch.get_num_threads():
@@ -196,7 +197,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer | None = None,
         *,
         name: str | None = None,
-        timeout: float = 10.0,
+        timeout: float = DEFAULT_TIMEOUT,
         reconnect: float = 0.0,
         overlap: bool = False,
         secret: bytes | str | None = None,

@@ -8,16 +8,14 @@ up on one axis and with the server's metrics. The training loop calls
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from typing import Any
 
+from ..config import TENSORBOARD_MISSING as MISSING
 from ..errors import ConfigError
 
-__all__ = ["TrainingLog", "check_directory", "open_log", "server_step", "updates_between"]
-
-MISSING = "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
+__all__ = ["TrainingLog", "open_log", "server_step", "updates_between"]
 
 
 class TrainingLog:
@@ -90,19 +88,3 @@ def open_log(directory: str | None, name: str) -> TrainingLog | _NoLog:
     if directory is None:
         return _NoLog()
     return TrainingLog(os.path.join(directory, name))
-
-
-def check_directory(directory: str) -> None:
-    """Raise, without importing torch, the ConfigError a learner's :func:`open_log` would
-    for ``directory`` (so a run fails before its processes start): the tensorboard package
-    is missing, or the nearest existing path on the way to ``directory`` is not a directory
-    one can write into."""
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(MISSING)
-    existing = os.path.abspath(directory)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"--tensorboard {directory}: cannot write there ({existing} is not a directory)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--tensorboard {directory}: cannot write there ({existing} is not writable)")

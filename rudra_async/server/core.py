@@ -20,26 +20,28 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import __version__, kernels, registry, schema
+from .. import __version__, kernels, schema
 from ..checkpoint import Checkpoint
-from ..config import ServerConfig
+from ..config import ServerConfig, make_lr_policy, make_protocol
 from ..errors import CheckpointError, ConfigError, RequestError, RudraError, UpdateFailed, quoted
+from ..groups import ParamGroup, default_groups, parse_groups, steps_for
 from ..kernels import SGD, Group, max_abs
 from ..layout import Layout, Shard
 from ..logs import rate_limited
-from ..lr import LRPolicy, Schedule
+from ..lr import Schedule
 from ..model_state import RunState, StateLayout
-from ..sync import Decision, Gradient, SyncProtocol
-from ..transports.base import SharedMemory
+from ..staleness import StalenessHistogram
+from ..sync import Decision, Gradient
 from ..wire import Frame, MsgType
-from .groups import ParamGroup, default_groups, parse_groups, steps_for
 from .guard import OutlierGuard
-from .stats import StalenessHistogram
 from .store import Background, WeightStore
+
+if TYPE_CHECKING:
+    from ..transports.base import SharedMemory  # a type only: the core loads no transport
 
 log = rate_limited(logging.getLogger(__name__))  # peers provoke its messages
 
@@ -157,16 +159,6 @@ def make_loss_curve(losses: list[tuple[int, float]], points: int = 50) -> list[l
         chunk = losses[i : i + size]
         curve.append([chunk[-1][0], sum(loss for _, loss in chunk) / len(chunk)])
     return curve
-
-
-def make_protocol(cfg: ServerConfig) -> SyncProtocol:
-    proto: SyncProtocol = registry.create("protocol", cfg.protocol, cfg.protocol_kwargs(), SyncProtocol)
-    return proto
-
-
-def make_lr_policy(cfg: ServerConfig) -> LRPolicy:
-    policy: LRPolicy = registry.create("lr policy", cfg.lr_policy, cfg.lr_policy_kwargs(), LRPolicy)
-    return policy
 
 
 def gradient_of(frame: Frame, size: int) -> np.ndarray:

@@ -22,6 +22,7 @@ import ssl
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -36,8 +37,8 @@ from ..wire import Frame, Limits, MsgType
 from .checkpointer import Checkpointer
 from .core import GradientSize, LearnerInfo, ServerCore, learner_extra
 from .session import Session
-from .stats import Traffic
 from .store import Background, off_loop
+from .traffic import Traffic
 from .written import max_abs_as_written, until_written
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class ParameterServer:
         cfg = self.config
         for url in cfg.listen:  # an address without a known scheme is that error, not an exposure
             transports.transport_for(url)
-        exposed = [url for url in cfg.listen if not security.is_loopback(url)]
+        exposed = [url for url in cfg.listen if not transports.is_loopback(url)]
         if exposed and self.secret is None:
             if not cfg.insecure:
                 raise ConfigError(
@@ -131,9 +132,11 @@ class ParameterServer:
                     "overwrite the model; give --secret-file (or RUDRA_ASYNC_SECRET), or --insecure"
                 )
             log.warning("listening on %s with no secret (--insecure): anyone who reaches it owns the model", exposed[0])
-        plain = [url for url in exposed if not (url.startswith("tcp://") and self.tls is not None)]
+        plain = [url for url in exposed if not (self.tls is not None and transports.transport_for(url).supports_tls)]
         if plain and self.secret is not None:
-            log.warning("traffic on %s is not encrypted (give --tls-cert for TCP)", plain[0])
+            scheme = urlsplit(plain[0]).scheme
+            why = "its transport has no TLS" if self.tls is not None else "give --tls-cert for TLS"
+            log.warning("traffic on %s is not encrypted (%s://: %s)", plain[0], scheme, why)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:

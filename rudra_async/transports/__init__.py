@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import importlib
 import ssl
-from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
-from ..registry import load_entry_point
-from ..wire import Limits
+from ..registry import entry_points, load_entry_point
+from ..wire import DEFAULT_TIMEOUT, Limits
 from .base import Connection, Listener, OnAccept, OnConnection, SharedMemory, Transport
 from .blocking import BlockingConnection
 
@@ -33,6 +32,7 @@ __all__ = [
     "Transport",
     "connect",
     "connect_blocking",
+    "is_loopback",
     "known_schemes",
     "listen",
     "transport_for",
@@ -65,6 +65,14 @@ def transport_for(url: str) -> Transport:
     return found
 
 
+def is_loopback(url: str) -> bool:
+    """True when only this host can reach ``url``, as its transport declares
+    (:meth:`Transport.reaches_only_this_host`): a tcp address on a loopback host or
+    ``localhost``, any address of a same-host transport (``shm``, ``memory``, a plugin that
+    sets ``same_host``). UCX listens on every interface whatever the host: never loopback."""
+    return transport_for(url).reaches_only_this_host(url)
+
+
 def _tls_options(transport: Transport, url: str, tls: ssl.SSLContext | None, timeout: float) -> dict[str, Any]:
     if tls is None:
         return {}
@@ -74,7 +82,7 @@ def _tls_options(transport: Transport, url: str, tls: ssl.SSLContext | None, tim
 
 
 async def connect(
-    url: str, *, limits: Limits = Limits(), timeout: float = 10.0, tls: ssl.SSLContext | None = None
+    url: str, *, limits: Limits = Limits(), timeout: float = DEFAULT_TIMEOUT, tls: ssl.SSLContext | None = None
 ) -> Connection:
     """Connect to ``url`` (with ``tls``, an ``ssl.SSLContext``, over TLS: tcp only)."""
     transport = transport_for(url)
@@ -82,7 +90,7 @@ async def connect(
 
 
 def connect_blocking(
-    url: str, *, limits: Limits = Limits(), timeout: float = 10.0, tls: ssl.SSLContext | None = None
+    url: str, *, limits: Limits = Limits(), timeout: float = DEFAULT_TIMEOUT, tls: ssl.SSLContext | None = None
 ) -> BlockingConnection | None:
     """A blocking connection to ``url`` (see :meth:`~.base.Transport.connect_blocking`), or
     None when its transport has none; ``tls`` as for :func:`connect` (tcp only)."""
@@ -98,7 +106,7 @@ async def listen(
     limits: Limits = Limits(),
     on_accept: OnAccept | None = None,
     tls: ssl.SSLContext | None = None,
-    tls_timeout: float = 10.0,
+    tls_timeout: float = DEFAULT_TIMEOUT,
 ) -> Listener:
     """Listen on ``url``; ``on_accept(conn)`` runs for each accepted connection before any
     of its bytes is parsed (see :meth:`~.base.Transport.listen`); with ``tls`` (tcp only)

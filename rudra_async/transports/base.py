@@ -94,11 +94,12 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectionClosed, PeerGone, RudraError, TransportError, WireError
+from ..addresses import format_host_port as format_host_port
+from ..addresses import parse_host_port as parse_host_port
+from ..errors import ConnectionClosed, PeerGone, RudraError, TransportError, WireError
 from ..wire import Admit, Allocator, Frame, FrameReader, Header, Limits
 
 if TYPE_CHECKING:
@@ -388,10 +389,16 @@ class Transport(abc.ABC):
     - ``supports_tls``: ``connect``/``listen`` accept ``tls=ssl_context`` (``tcp`` does).
     - :meth:`connect_blocking`: a blocking connection for code without an event loop (the
       blocking client uses it, and otherwise drives the asyncio one), or None.
+    - ``same_host``: True when only processes on this host can connect (shared memory, a
+      Unix socket): a server listening there needs no secret (:meth:`reaches_only_this_host`).
+    - :meth:`fresh_address`: an address no other listener uses, for a run's own server and
+      for the conformance suite's second listener.
     """
 
     scheme: str = ""
     in_process: bool = False
+    #: True when only processes on this host can connect to any of this transport's addresses
+    same_host: bool = False
     #: True when ``connect`` and ``listen`` take ``tls=`` (an ``ssl.SSLContext``) and
     #: ``tls_timeout=`` (seconds for the TLS handshake)
     supports_tls: bool = False
@@ -411,6 +418,17 @@ class Transport(abc.ABC):
     def shared_memory(self) -> SharedMemory | None:
         """Memory this transport sends by reference (see :class:`SharedMemory`), or None."""
         return None
+
+    def reaches_only_this_host(self, url: str) -> bool:
+        """True when only this host can connect to ``url`` (a server listening there without
+        a secret is then not exposed); by default ``same_host``. ``tcp`` says so for a
+        loopback host; a transport that cannot tell must say False."""
+        return self.same_host
+
+    def fresh_address(self, host: str = "127.0.0.1") -> str:
+        """An address to listen on, on ``host`` where the transport has hosts, that no other
+        listener uses: by default ``scheme://host:0`` (the system picks a free port)."""
+        return format_host_port(self.scheme, host, 0)
 
     def connect_blocking(
         self, url: str, *, limits: Limits, timeout: float, tls: ssl.SSLContext | None = None
@@ -523,23 +541,3 @@ def _log_given_up(conn: Connection, exc: RudraError) -> None:
         log.debug("the connection to %s ended: %s", conn.peer, exc)
     else:
         log.warning("connection handler for %s gave up: [%s] %s", conn.peer, exc.code, exc)
-
-
-def parse_host_port(url: str, scheme: str) -> tuple[str, int]:
-    """``scheme://host:port`` (IPv6 in brackets) → (host, port), or a ConfigError saying why."""
-    parts = urlsplit(url)
-    if parts.scheme != scheme:
-        raise ConfigError(f"not a {scheme}:// address: {url!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ConfigError(f"bad port in {url!r}") from None
-    if not parts.hostname or port is None:
-        raise ConfigError(f"address {url!r} needs a host and a port, e.g. {scheme}://127.0.0.1:7000")
-    if parts.path.strip("/") or parts.query or parts.fragment or parts.username is not None:
-        raise ConfigError(f"address {url!r} has more than a host and a port, e.g. {scheme}://127.0.0.1:7000")
-    return parts.hostname, port
-
-
-def format_host_port(scheme: str, host: str, port: int) -> str:
-    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"

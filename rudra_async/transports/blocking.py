@@ -11,9 +11,10 @@ moment before it blocks (:mod:`.polling`).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -149,12 +150,8 @@ def connect_tcp(
 ) -> BlockingConnection:
     """A blocking TCP connection (TCP_NODELAY), over TLS with ``tls`` (the certificate checked
     against ``host``); ConnectError at once if refused, or after ``timeout``."""
-    try:
+    with _connecting(url, timeout):
         sock = socket.create_connection((host, port), timeout=timeout)
-    except TimeoutError:
-        raise Unreachable(f"cannot connect to {url}: no answer within {timeout:g} s") from None
-    except OSError as exc:
-        raise Unreachable(f"cannot connect to {url}: {exc.strerror or exc}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if tls is not None:
         try:
@@ -165,3 +162,31 @@ def connect_tcp(
     sock.settimeout(None)
     peer = sock.getpeername()
     return BlockingConnection(sock, limits, format_host_port("tcp", peer[0], peer[1]))
+
+
+def connect_socket(family: int, address: Any, url: str, *, limits: Limits, timeout: float) -> BlockingConnection:
+    """A blocking connection over a new stream socket of ``family`` connected to ``address``
+    (e.g. ``socket.AF_UNIX`` and a path): the blocking side of a transport made with
+    :func:`rudra_async.transports.stream.connect_stream`. ConnectError (naming ``url``) at
+    once if refused, or after ``timeout``."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        with _connecting(url, timeout):
+            sock.connect(address)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return BlockingConnection(sock, limits, url)
+
+
+@contextlib.contextmanager
+def _connecting(url: str, timeout: float) -> Iterator[None]:
+    """A connect's failures as Unreachable, naming ``url``."""
+    try:
+        yield
+    except TimeoutError:
+        raise Unreachable(f"cannot connect to {url}: no answer within {timeout:g} s") from None
+    except OSError as exc:
+        raise Unreachable(f"cannot connect to {url}: {exc.strerror or exc}") from None

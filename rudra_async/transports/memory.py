@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..errors import ConfigError, ConnectError, PeerGone, Unreachable
-from ..wire import FrameReader, Limits, encode_frame
+from ..wire import DEFAULT_TIMEOUT, FrameReader, Limits, encode_frame
 from .base import Connection, OnAccept, OnConnection, ServingListener, Transport
 
 _listeners: dict[str, MemoryListener] = {}
@@ -85,8 +85,12 @@ def _name(url: str) -> str:
 class MemoryTransport(Transport):
     scheme = "memory"
     in_process = True
+    same_host = True
     #: the class of both ends of a pair (a subclass may change how they buffer)
     connection_type: type[MemoryConnection] = MemoryConnection
+
+    def fresh_address(self, host: str = "127.0.0.1") -> str:
+        return "memory://"  # listen() names it
 
     async def listen(
         self, url: str, on_connection: OnConnection, *, limits: Limits = Limits(), on_accept: OnAccept | None = None
@@ -97,7 +101,9 @@ class MemoryTransport(Transport):
         listener = _listeners[name] = MemoryListener(name, on_connection, limits, on_accept)
         return listener
 
-    async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> MemoryConnection:
+    async def connect(
+        self, url: str, *, limits: Limits = Limits(), timeout: float = DEFAULT_TIMEOUT
+    ) -> MemoryConnection:
         name = _name(url)
         listener = _listeners.get(name)
         if listener is None:

@@ -66,7 +66,7 @@ from ..errors import (
     WireError,
     quoted,
 )
-from ..wire import Frame, Header, Limits, MsgType, encode_frame, is_int, parse_segments, spec_of
+from ..wire import DEFAULT_TIMEOUT, Frame, Header, Limits, MsgType, encode_frame, is_int, parse_segments, spec_of
 from . import offload
 from .base import OnAccept, OnConnection, SharedMemory, Transport
 from .blocking import BlockingConnection
@@ -948,12 +948,21 @@ class BlockingShmConnection(BlockingConnection):
 
 class ShmTransport(Transport):
     scheme = "shm"
+    same_host = True
 
     def shared_memory(self) -> SharedMemory:
         return exported
 
+    def fresh_address(self, host: str = "127.0.0.1") -> str:
+        return "shm://"  # listen() picks a fresh name
+
     def connect_blocking(
-        self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0, tls: ssl.SSLContext | None = None
+        self,
+        url: str,
+        *,
+        limits: Limits = Limits(),
+        timeout: float = DEFAULT_TIMEOUT,
+        tls: ssl.SSLContext | None = None,
     ) -> BlockingShmConnection:
         """A blocking connection to ``shm://NAME`` (same host; ``tls`` is never given: shm has
         none); ConnectError at once if nobody listens there, or after ``timeout``."""
@@ -992,7 +1001,7 @@ class ShmTransport(Transport):
         listener.address = f"shm://{name}"
         return listener
 
-    async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0) -> ShmConnection:
+    async def connect(self, url: str, *, limits: Limits = Limits(), timeout: float = DEFAULT_TIMEOUT) -> ShmConnection:
         name = _server_name(url)
         loop = asyncio.get_running_loop()
 

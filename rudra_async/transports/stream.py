@@ -289,14 +289,27 @@ class Accepting(Protocol):
 
 
 class StreamListener(ServingListener):
-    def __init__(self, on_connection: OnConnection, on_accept: OnAccept | None = None) -> None:
+    """A listener whose connections are :class:`StreamConnection` s; ``on_close`` runs once
+    it stops accepting (e.g. to remove a Unix socket's file)."""
+
+    def __init__(
+        self, on_connection: OnConnection, on_accept: OnAccept | None = None, on_close: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(on_connection, on_accept)
         self._server: Accepting | None = None
+        self._on_close = on_close
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        """The sockets it listens on (an ``asyncio`` server's; none for another acceptor)."""
+        return tuple(getattr(self._server, "sockets", None) or ())
 
     def _stop_accepting(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
+            if self._on_close is not None:
+                self._on_close()
 
 
 def describe_peer(transport: asyncio.BaseTransport) -> str:
@@ -326,13 +339,52 @@ async def start_listener(
     on_connection: OnConnection,
     new_connection: Callable[[OnMade], StreamConnection],
     on_accept: OnAccept | None = None,
+    on_close: Callable[[], None] | None = None,
 ) -> StreamListener:
     """Start a server with ``server_opener(factory)``, where the factory makes each accepted
     connection with ``new_connection(on_made)``; map bind failures to ConnectError.
     ``on_accept`` runs in ``connection_made``, before the first byte is parsed."""
-    listener = StreamListener(on_connection, on_accept)
+    listener = StreamListener(on_connection, on_accept, on_close)
     try:
         listener._server = await server_opener(lambda: new_connection(listener._spawn))
     except OSError as exc:
         raise ConnectError(f"cannot listen on {url}: {exc.strerror or exc}") from None
     return listener
+
+
+# -- the stream-socket kit: a transport over any asyncio stream socket, in two calls ----------
+async def connect_stream(
+    open_connection: Callable[[Callable[[], StreamConnection]], Awaitable[tuple[Any, StreamConnection]]],
+    url: str,
+    *,
+    limits: Limits,
+    timeout: float,
+) -> StreamConnection:
+    """A connection made by ``open_connection(protocol_factory)``, one of the event loop's
+    ``create_connection``/``create_unix_connection`` calls with its address filled in;
+    ``ConnectError`` (naming ``url``) if refused, or after ``timeout`` seconds."""
+    return await open_stream(open_connection(lambda: StreamConnection(limits)), url, timeout)
+
+
+async def listen_stream(
+    create_server: ServerOpener,
+    url: str,
+    on_connection: OnConnection,
+    *,
+    limits: Limits,
+    on_accept: OnAccept | None = None,
+    on_close: Callable[[], None] | None = None,
+) -> StreamListener:
+    """A listener started by ``create_server(protocol_factory)``, one of the event loop's
+    ``create_server``/``create_unix_server`` calls with its address filled in; ``on_accept``
+    runs for each connection before its first byte is parsed, ``on_close`` once the listener
+    stops. ``ConnectError`` if it cannot bind. Set the listener's ``address`` (the URL a
+    client connects to) before returning it."""
+    return await start_listener(
+        create_server,
+        url,
+        on_connection,
+        lambda on_made: StreamConnection(limits, on_made=on_made),
+        on_accept,
+        on_close,
+    )

@@ -12,10 +12,12 @@ import functools
 import logging
 import socket
 import ssl
+from urllib.parse import urlsplit
 
+from ..addresses import is_loopback_host
 from ..errors import ConnectError, PeerGone
 from ..logs import rate_limited
-from ..wire import Limits
+from ..wire import DEFAULT_TIMEOUT, Limits
 from .base import OnAccept, OnConnection, Transport, format_host_port, parse_host_port
 from .blocking import BlockingConnection, connect_tcp
 from .stream import StreamConnection, StreamListener, open_stream, start_listener
@@ -33,14 +35,17 @@ class TcpTransport(Transport):
     scheme = "tcp"
     supports_tls = True
 
+    def reaches_only_this_host(self, url: str) -> bool:
+        return is_loopback_host(urlsplit(url).hostname or "")
+
     async def connect(
         self,
         url: str,
         *,
         limits: Limits = Limits(),
-        timeout: float = 10.0,
+        timeout: float = DEFAULT_TIMEOUT,
         tls: ssl.SSLContext | None = None,
-        tls_timeout: float = 10.0,
+        tls_timeout: float = DEFAULT_TIMEOUT,
     ) -> StreamConnection:
         """Connect to a ``tcp://host:port`` URL (over TLS with ``tls``, the certificate checked
         against ``host``); fails within ``timeout`` with ConnectError."""
@@ -67,7 +72,7 @@ class TcpTransport(Transport):
         limits: Limits = Limits(),
         on_accept: OnAccept | None = None,
         tls: ssl.SSLContext | None = None,
-        tls_timeout: float = 10.0,
+        tls_timeout: float = DEFAULT_TIMEOUT,
     ) -> StreamListener:
         """Listen on a ``tcp://host:port`` URL (port 0 picks one), over TLS with ``tls``.
         Fails at once if it cannot bind."""
@@ -83,12 +88,17 @@ class TcpTransport(Transport):
                 lambda on_made: StreamConnection(limits, on_made=on_made),
                 on_accept,
             )
-        sockname = listener._server.sockets[0].getsockname()  # type: ignore[union-attr]
+        sockname = listener.sockets[0].getsockname()
         listener.address = format_host_port("tcp", sockname[0], sockname[1])
         return listener
 
     def connect_blocking(
-        self, url: str, *, limits: Limits = Limits(), timeout: float = 10.0, tls: ssl.SSLContext | None = None
+        self,
+        url: str,
+        *,
+        limits: Limits = Limits(),
+        timeout: float = DEFAULT_TIMEOUT,
+        tls: ssl.SSLContext | None = None,
     ) -> BlockingConnection:
         host, port = parse_url(url)
         try:

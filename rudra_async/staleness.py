@@ -1,16 +1,14 @@
-"""Run statistics: the staleness histogram, traffic per transport."""
+"""The staleness histogram: counts of σ = clock − gradient timestamp, and its checkpointed
+form (``{"σ": count}``)."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
-from ..errors import quoted
-from ..schema import INT64_MAX, is_count
-from ..transports.base import Connection
+from .errors import quoted
+from .schema import INT64_MAX, is_count
 
 _SIGMA_KEY = re.compile(r"0|[1-9][0-9]{0,18}")  # as :meth:`StalenessHistogram.to_dict` writes σ
 
@@ -73,34 +71,3 @@ def parse_histogram(raw: Any) -> Counter[int]:
             )
         counts[int(key)] = count
     return counts
-
-
-class Traffic:
-    """Bytes received and sent per transport scheme: the connections' own counts
-    (:attr:`~rudra_async.transports.base.Connection.bytes_in`/``bytes_out``), those of
-    open connections read when asked, those of closed ones kept."""
-
-    def __init__(self) -> None:
-        self._closed: dict[str, list[int]] = {}
-        self._open: dict[Connection, str] = {}
-
-    @contextlib.contextmanager
-    def track(self, scheme: str, conn: Connection) -> Iterator[None]:
-        """Count ``conn`` under ``scheme`` while the block runs, and keep its count after."""
-        self._open[conn] = scheme
-        self._closed.setdefault(scheme, [0, 0])
-        try:
-            yield
-        finally:
-            del self._open[conn]
-            kept = self._closed[scheme]
-            kept[0] += conn.bytes_in
-            kept[1] += conn.bytes_out
-
-    def totals(self) -> dict[str, dict[str, int]]:
-        """``{scheme: {"bytes_in": n, "bytes_out": n}}`` over every connection so far."""
-        out = {scheme: [b_in, b_out] for scheme, (b_in, b_out) in self._closed.items()}
-        for conn, scheme in self._open.items():
-            out[scheme][0] += conn.bytes_in
-            out[scheme][1] += conn.bytes_out
-        return {scheme: {"bytes_in": b_in, "bytes_out": b_out} for scheme, (b_in, b_out) in out.items()}

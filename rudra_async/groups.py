@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RequestError, quoted
-from ..kernels import SGD, Group
-from ..layout import Layout
+from .errors import RequestError, quoted
+from .kernels import SGD, Group
+from .layout import Layout
 
 
 @dataclass(frozen=True)
