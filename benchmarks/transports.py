@@ -6,6 +6,7 @@ comes back (2 × SIZE bytes per round trip) through the transport API:
 - tcp  vs a raw uvloop socket echo of the same bytes (target ≥ 0.8×)
 - shm  vs memcpy of the same bytes, twice (the copies a round trip needs; target ≥ 0.7×)
 - ucx  vs raw ucxx send/recv of the same bytes (target ≥ 0.8×)
+- any other registered scheme (a plugin's, e.g. ``--only unix``) vs the raw uvloop TCP socket
 
 then the small-message (256 B) round-trip latency of each, next to the same baseline.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import multiprocessing as mp
 import os
@@ -300,7 +302,7 @@ def measure(scheme: str, nbytes: int, reps: int) -> tuple[float, float]:
     """(baseline median, transport median) seconds per round trip."""
     if scheme == "shm":
         base = statistics.median(memcpy_round_trips(nbytes, reps))
-    elif scheme == "tcp":
+    elif scheme != "ucx":  # tcp, and any plugin's scheme: the raw loopback socket
         p, port = in_process(_serve_raw, nbytes)
         base = statistics.median(uvloop.run(raw_round_trips(port, nbytes, reps)))
         p.kill()
@@ -311,7 +313,7 @@ def measure(scheme: str, nbytes: int, reps: int) -> tuple[float, float]:
         _ucxx()
         base = statistics.median(uvloop.run(raw_ucx_round_trips(port, nbytes, reps)))
         p.kill()
-    url = {"tcp": "tcp://127.0.0.1:0", "shm": "shm://", "ucx": "ucx://127.0.0.1:0"}[scheme]
+    url = transports.transport_for(f"{scheme}://").fresh_address()  # any registered scheme, a plugin's too
     p, address = in_process(_serve_echo, url)
     ours = statistics.median(uvloop.run(transport_round_trips(address, nbytes, reps)))
     p.terminate()  # the echo closes its listener and connections, then exits
@@ -328,7 +330,9 @@ def main() -> None:
     ap.add_argument("--small-reps", type=int, default=1000)
     ap.add_argument("--only", default="tcp,shm,ucx")
     args = ap.parse_args()
-    baseline_name = {"tcp": "raw uvloop socket", "shm": "memcpy x2", "ucx": "raw ucxx"}
+    baseline_name = collections.defaultdict(
+        lambda: "raw uvloop socket", {"tcp": "raw uvloop socket", "shm": "memcpy x2", "ucx": "raw ucxx"}
+    )
     print(
         "push+pull round trip through the transport API, echo peer in another process; median of "
         f"{args.reps} or more (at least {MIN_BYTES / 1e9:g} GB moved per size)"

@@ -12,7 +12,8 @@ limits (``FrameTooLarge`` from the sender before sending, and from the receiver 
 allocating), that the listener's ``on_accept`` hook runs before the first byte of a
 connection is parsed (a frame sent with the connect is already subject to it), that a
 server with a secret on this transport refuses missing, wrong and replayed proofs before
-any state change and serves a learner that knows the secret, and — for transports that
+any state change and serves a learner that knows the secret, that the blocking connection
+(where ``connect_blocking`` gives one) moves frames and closes as the asyncio one does, and — for transports that
 cross processes — that a peer killed in the middle of a frame gives an error, never a hang
 or a partial frame. Raises AssertionError on a violation; returns the names of the checks
 that ran.
@@ -33,7 +34,9 @@ import numpy as np
 
 from . import transports
 from .errors import ConnectionClosed, FrameTooLarge, PeerGone, RemoteError, RudraError
+from .eventloop import run_sync
 from .transports.base import Connection, Transport
+from .transports.blocking import BlockingConnection
 from .wire import Frame, Header, Limits, MsgType
 
 __all__ = [
@@ -313,6 +316,69 @@ async def reconnect(s: _Suite) -> None:
 
 
 @_check
+async def blocking_connection(s: _Suite) -> None:
+    """The transport's blocking connection (``connect_blocking``), where it has one, against
+    the same listener: frames both ways (empty, small, 1 MiB), in order with many in flight,
+    intact with an allocator set; the listener closing it gives ``PeerGone``; after a local
+    close (twice harmless) ``send`` raises ``ConnectionClosed``. Run on a thread, as a
+    training script runs it, so the listener's event loop goes on serving."""
+    await asyncio.to_thread(_blocking_side, s)
+
+
+def _blocking_side(s: _Suite) -> None:
+    conn = s.transport.connect_blocking(s.address, limits=s.limits, timeout=s.timeout)
+    if conn is None:
+        return
+    try:
+        conn.settimeout(s.timeout)  # a transport that never answers fails the check instead of hanging it
+        cases: list[list[np.ndarray]] = [
+            [],
+            [np.arange(7, dtype=np.int64), np.ones((2, 3), np.float16)],
+            [_payload(MiB, 5)],
+        ]
+        for i, arrays in enumerate(cases):
+            _blocking_round_trip(conn, arrays, i=i)
+        target = np.empty(4096, np.uint8)  # an allocator that offers a buffer: the body arrives intact
+        conn.allocator = lambda msg_type, meta, nbytes: target.data if nbytes == target.nbytes else None
+        _blocking_round_trip(conn, [_payload(4096, 9)], allocated=True)
+        conn.allocator = None
+        n = 50
+        for i in range(n):
+            run_sync(conn.send(MsgType.PULL, {"i": i}, [np.full(i % 5, i, np.int32)]))
+        for i in range(n):
+            frame = run_sync(conn.recv())
+            assert frame.meta["i"] == i, f"blocking side: frame {frame.meta['i']} arrived in place of {i}"
+            frame.release()
+        run_sync(conn.send(MsgType.BYE, {"cmd": "close"}))
+        try:
+            run_sync(conn.recv())
+        except PeerGone:
+            pass
+        else:
+            raise AssertionError("blocking side: recv after the peer closed must raise PeerGone")
+    finally:
+        conn.close()
+    conn.close()
+    assert conn.is_closed, "blocking side: is_closed after close"
+    try:
+        run_sync(conn.send(MsgType.PULL, {}))
+    except ConnectionClosed:
+        return
+    raise AssertionError("blocking side: send on a locally closed connection must raise ConnectionClosed")
+
+
+def _blocking_round_trip(conn: BlockingConnection, arrays: list[np.ndarray], **meta: Any) -> None:
+    run_sync(conn.send(MsgType.PUSH, meta, arrays))
+    frame = run_sync(conn.recv())
+    assert frame.msg_type == MsgType.PUSH and _echoed_meta(frame) == meta, ("blocking side", frame.meta)
+    assert len(frame.arrays) == len(arrays), "blocking side: a segment went missing"
+    for a, b in zip(arrays, frame.arrays):
+        assert a.dtype == b.dtype and a.shape == b.shape, ("blocking side", a.dtype, a.shape, b.dtype, b.shape)
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), "blocking side: payload corrupted"
+    frame.release()
+
+
+@_check
 async def back_pressure(s: _Suite) -> None:
     conn = await s.connect()
     s.unclog = asyncio.get_running_loop().create_future()
@@ -423,7 +489,8 @@ async def authentication(s: _Suite) -> None:
 
     secret = security.new_nonce().hex()
     layout = Layout.from_shapes([("w", (8,))])
-    cfg = ServerConfig(listen=[s.url], kernel="numpy", momentum=0.0, handshake_timeout=s.timeout)
+    listen = s.transport.fresh_address()  # the suite's own listener holds s.url
+    cfg = ServerConfig(listen=[listen], kernel="numpy", momentum=0.0, handshake_timeout=s.timeout)
     async with ParameterServer(cfg, secret=secret) as ps:
         url = ps.addresses[0]
         w0 = np.arange(8, dtype=np.float32)

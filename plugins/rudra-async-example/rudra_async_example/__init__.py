@@ -4,8 +4,9 @@
   λ is (``--protocol fixed-batch --protocol-option c=3``).
 - ``exp-staleness``: an LR policy α(σ) = α0 · γ^σ (``--lr-policy exp-staleness
   --lr-option gamma=0.7``).
+- ``unix://``: a transport over Unix sockets (:mod:`rudra_async_example.unix`).
 
-Both are found through the entry points declared in this distribution's pyproject.toml.
+All are found through the entry points declared in this distribution's pyproject.toml.
 """
 
 from __future__ import annotations
