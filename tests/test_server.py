@@ -158,3 +158,31 @@ async def test_float16_gradients_on_the_wire(kernel):
         assert ack.status == "applied"
         np.testing.assert_allclose(ps.core.store.weights, w0 - 0.5 * g.astype(np.float32), rtol=1e-6)
         await c.close()
+
+
+async def test_one_injected_time_source_drives_every_deadline_and_the_learner_times():
+    """``ParameterServer(now=...)`` is the one clock of sessions, the watchdog and the core:
+    ten fake minutes close a silent connection (handshake_timeout) and an idle learner
+    (idle_timeout) within a real second, and the learner's last-seen age is fake time."""
+    fake = [1000.0]
+    layout = small_layout()
+    cfg = ServerConfig(listen=[LOOPBACK], kernel="numpy", handshake_timeout=300, idle_timeout=300)
+    async with ParameterServer(cfg, now=lambda: fake[0]) as ps:
+        task = asyncio.create_task(ps.serve())
+        try:
+            client = await Client.connect(ps.addresses[0], layout, initial_weights(layout), timeout=5)
+            host, port = ps.addresses[0].removeprefix("tcp://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            await asyncio.sleep(1.2)  # watchdog ticks go by: nothing is due in fake time
+            assert ps.stats()["rejected"] == {} and not reader.at_eof()
+            fake[0] += 600
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the watchdog, not by real time
+            learner = ps.stats()["learners"]["0"]
+            assert learner["last_seen_s"] == 600.0
+            rejected = ps.stats()["rejected"]
+            assert rejected.get("handshake_timeout") == 1 and rejected.get("idle_timeout") == 1
+            writer.close()
+            await client.close()
+        finally:
+            await ps.close()
+            await task

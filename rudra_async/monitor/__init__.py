@@ -53,7 +53,7 @@ MAX_GONE = 32
 class Sample:
     """The state the sampler records once per interval."""
 
-    at: float  # time.monotonic()
+    at: float  # the server's now()
     clock: int
     learners: int
     per_learner: dict[int, int] = field(default_factory=dict)  # learner id -> gradients applied
@@ -163,7 +163,7 @@ class Monitor:
         (``t`` in seconds before now, ``clock``, ``updates_per_s``, ``learners``)."""
         ps = self.server
         stats = ps.stats(loss_curve=False)
-        now = time.monotonic()
+        now = ps.now()
         blocked = ps.blocked
         rates = self._learner_rates(now)
         learners = {}
@@ -218,7 +218,7 @@ class Monitor:
     # -- rates --------------------------------------------------------------------------------
     def updates_per_s(self, now: float | None = None) -> float:
         """Updates per second over the last :data:`RATE_WINDOW_S` seconds (up to now)."""
-        now = time.monotonic() if now is None else now
+        now = self.server.now() if now is None else now
         old = self._window_start(now)
         if old is None or now - old.at <= 0:
             return 0.0
@@ -276,7 +276,7 @@ class Monitor:
         core = self.server.core
         self.history.append(
             Sample(
-                time.monotonic(),
+                self.server.now(),
                 self.server.clock,
                 self._connected(),
                 {i: info.applied for i, info in core.learners.items()},

@@ -70,9 +70,14 @@ class ParameterServer:
         *,
         initial: dict[str, np.ndarray] | None = None,
         secret: bytes | str | None = None,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         """``secret``: the shared secret learners must prove they know (default: the
-        contents of ``config.secret_file``, else the ``RUDRA_ASYNC_SECRET`` variable, else none)."""
+        contents of ``config.secret_file``, else the ``RUDRA_ASYNC_SECRET`` variable, else none).
+        ``now``: seconds, never going back; the one time source of every deadline and timeout
+        of the server (sessions, the watchdog, the core's learner times, the monitor's rates),
+        for tests to drive."""
+        self.now = now
         cfg = self.config = (config or ServerConfig()).validate()
         self.secret = security.resolve_secret(secret, cfg.secret_file)
         self.tls: ssl.SSLContext | None = (
@@ -93,6 +98,7 @@ class ParameterServer:
             on_change=self._notify,
             on_update=self.checkpointer.after_update,
             on_failure=self._failed,
+            now=now,
             background=self._background,
         )
         self._checkpointing = asyncio.Lock()  # checkpoints are written one at a time, in order
@@ -505,7 +511,7 @@ class ParameterServer:
         tick = min(1.0, max(0.02, min(timeouts) / 8))
         while True:
             await asyncio.sleep(tick)
-            now = time.monotonic()
+            now = self.now()
             for session in list(self._sessions.values()):
                 if session.deadline is not None and now > session.deadline:
                     session.expire()

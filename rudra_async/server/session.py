@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +80,7 @@ class Session:
         self._client_nonce = b""
         self._server_nonce = b""
         #: when the watchdog closes this connection (None: no deadline now), and why
-        self.deadline: float | None = time.monotonic() + server.config.handshake_timeout
+        self.deadline: float | None = self.server.now() + server.config.handshake_timeout
         self.deadline_code = "handshake_timeout"
         self.said_bye = False
         self._heard = False  # a frame of this peer was read
@@ -257,7 +256,7 @@ class Session:
         hello, then the idle timeout."""
         if self.state is State.READY:
             idle = self.server.config.idle_timeout
-            self.deadline = time.monotonic() + idle if idle else None
+            self.deadline = self.server.now() + idle if idle else None
             self.deadline_code = "idle_timeout"
 
     def _fatal_code(self, exc: WireError) -> str:
@@ -481,7 +480,7 @@ class Session:
         """Close the connection (counted as ``code``) unless the deadline is cleared within
         ``seconds``; 0 clears a deadline of ``code``, if that is the one set."""
         if seconds:
-            self.deadline, self.deadline_code = time.monotonic() + seconds, code
+            self.deadline, self.deadline_code = self.server.now() + seconds, code
         elif self.deadline_code == code:
             self.deadline = None
 
