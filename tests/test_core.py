@@ -442,9 +442,9 @@ def test_a_learner_is_alone_while_no_other_has_a_request_in_progress():
     core.idle(a)
     assert core.alone(a) and core.alone(b)
     core.active(a)
-    a.writing = True  # a push whose gradient a still writes: not yet in progress
+    core.writing(a)  # a push whose gradient a still writes: not yet in progress
     assert core.alone(b)
-    a.writing = False
+    core.not_written(a)
     assert not core.alone(b)
 
 

@@ -428,6 +428,24 @@ class ServerCore:
             learner.slow = False
             log.info("learner %d (%s) is back", learner.learner_id, learner.name, extra=learner_extra(learner))
 
+    def writing(self, learner: LearnerInfo) -> None:
+        """``learner``'s push in hand arrived before its gradient is all written (shm): until
+        :meth:`written` or :meth:`not_written`, it is not a request in progress."""
+        learner.writing = True
+
+    def not_written(self, learner: LearnerInfo) -> None:
+        """The gradient of ``learner``'s push in hand will never be all written (the
+        connection was lost): it no longer counts as being written."""
+        learner.writing = False
+
+    def parked(self, learner_id: int, change: int) -> None:
+        """A bare PULL of ``learner_id`` starts (+1) or ends (-1) waiting for newer weights: a
+        parked wait is no request in progress (:attr:`LearnerInfo.parked`). Nothing for a
+        learner the server no longer knows."""
+        info = self.learners.get(learner_id)
+        if info is not None:
+            info.parked += change
+
     def written(self, learner: LearnerInfo) -> None:
         """The gradient of ``learner``'s push in hand is all written now: the push is in
         progress (:meth:`alone`), and a learner evicted while it wrote rejoins, as if the

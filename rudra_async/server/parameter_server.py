@@ -393,9 +393,8 @@ class ParameterServer:
         if ready() or self.stopped or self.closing:
             return
         lost = asyncio.ensure_future(conn.wait_lost())
-        info = self.core.learners.get(learner) if parked else None
-        if info is not None:
-            info.parked += 1
+        if parked:
+            self.core.parked(learner, +1)
         try:
             while not (ready() or self.stopped or self.closing):
                 self._blocked.add(learner)
@@ -407,8 +406,8 @@ class ParameterServer:
         finally:
             self._blocked.discard(learner)
             lost.cancel()
-            if info is not None:
-                info.parked -= 1
+            if parked:
+                self.core.parked(learner, -1)
 
     # -- connections --------------------------------------------------------------------------
     async def _listen(self, url: str) -> Listener:

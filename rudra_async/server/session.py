@@ -366,11 +366,11 @@ class Session:
         learner = self._learner()
         if frame.written is not None:  # the learner still writes the gradient: for at most the idle timeout
             self._deadline_in(self.server.config.idle_timeout, "push_not_written")
-            learner.writing = True
+            self.core.writing(learner)
         try:
             size = await self.server.measure(learner, frame, functools.partial(self._push_written, learner))
         finally:  # written, or never will be
-            learner.writing = False
+            self.core.not_written(learner)
             self._deadline_in(0, "push_not_written")
         if size is not None:  # a large model: an update may be in flight; deciding one must not wait for it on the loop
             await self.server.updates_computed()
