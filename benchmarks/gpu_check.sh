@@ -28,11 +28,11 @@ print("python", sys.version.split()[0], "| numpy", numpy.__version__, "|", has_t
 assert cupy.is_available(), "CuPy sees no CUDA device"
 PYCODE
 marks=gpu
-tests=(tests/test_kernels.py)
+tests=(tests/core/test_kernels.py)
 has_torch=0
 if "$PY" -c "import torch" 2>/dev/null; then
     has_torch=1
-    tests+=(tests/test_torch_api.py)
+    tests+=(tests/learner/test_torch_api.py)
 else
     echo "torch does not import: the tests that need it and the benchmark (it imports torch) are left out"
     marks="gpu and not torch"
@@ -40,9 +40,9 @@ fi
 asyncio=(-p no:asyncio)
 if "$PY" -c "import pytest_asyncio" 2>/dev/null; then
     asyncio=(-o asyncio_mode=auto -o asyncio_default_fixture_loop_scope=function)
-    tests+=(tests/test_update_rule_doc.py)
+    tests+=(tests/server/test_update_rule_doc.py)
 else
-    echo "pytest-asyncio does not import: tests/test_update_rule_doc.py's server replays are left out"
+    echo "pytest-asyncio does not import: tests/server/test_update_rule_doc.py's server replays are left out"
 fi
 "$PY" -m pytest -q "${asyncio[@]}" -c benchmarks/gpu_pytest.ini --rootdir . -m "$marks" "${tests[@]}"
 if [ "$has_torch" = 1 ]; then

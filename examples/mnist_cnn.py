@@ -6,7 +6,7 @@ checkpoint to resume from.
     python examples/mnist_cnn.py --epochs 4 --checkpoint /tmp/mnist_cnn.pt [--resume]
 
 examples/mnist_cnn_distributed.py is the same script trained by several processes on a
-rudra-async server; the two differ in eight lines (tests/test_examples.py counts them).
+rudra-async server; the two differ in eight lines (tests/runs/test_examples.py counts them).
 """
 
 import argparse

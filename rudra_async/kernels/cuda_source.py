@@ -1,5 +1,5 @@
 """The CUDA C source of the fused update kernel (no cupy import, so it can be compiled and
-checked on machines without a GPU: ``tests/test_cuda_source.py``).
+checked on machines without a GPU: ``tests/core/test_cuda_source.py``).
 
 One thread per element in a grid-stride loop, in place on the master weights ``w`` and the
 momentum ``v``::

@@ -187,7 +187,7 @@ async def test_a_send_whose_body_is_never_finished_ends_the_connection(failure, 
 
 
 async def test_only_a_connection_whose_thread_writes_sends_a_body_being_computed(send_threads):
-    """(Over TLS no thread writes: tests/test_security.py checks that for every frame.)"""
+    """(Over TLS no thread writes: tests/server/test_security.py checks that for every frame.)"""
     send_threads(1)
     listener, conn, _ = await clogged_pair()
     try:

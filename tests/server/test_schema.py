@@ -15,7 +15,7 @@ from rudra_async.wire import MsgType, encode_frame
 
 LAYOUT = small_layout()
 SECRET = "4f9c2b7e1a8d3c6f0e5b9a2d7c4f1e8b"
-DOC = (Path(__file__).resolve().parent.parent / "docs" / "wire.md").read_text()
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "wire.md").read_text()
 
 #: wrong values for each kind of field (type violations), and range violations per field
 WRONG_TYPE = {
@@ -125,7 +125,7 @@ def test_every_refusal_code_is_documented_and_counted_from_zero_in_the_metrics()
 
     table = DOC[DOC.index("| code | fatal |") :]
     documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M)) - {"shutting_down"}
-    observability = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
+    observability = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
     row = next(line for line in observability.splitlines() if line.startswith("| `rudra_rejected_total{code}`"))
     closes = {"auth_abandoned", "too_many_connections", "evicted", "handshake_timeout", "idle_timeout"}
     closes |= {"reply_not_read", "push_not_written"}

@@ -15,7 +15,7 @@ from rudra_async.runs.report import spearman, write_report
 from rudra_async.runs.simulate import simulate
 from rudra_async.runs.study import expand, run_id, run_study
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_spec_runs_end_to_end_and_resumes(tmp_path):

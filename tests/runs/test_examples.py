@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import CLI_ARGS, free_port, last_json, reap, start_server, subprocess_env, write_cifar_batch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_embed_server_example_converges():

@@ -143,6 +143,6 @@ async def test_truncated_frame_is_dropped_without_effect(cut, caplog):
 
 
 def test_documented_pull_example_is_what_the_encoder_writes():
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "wire.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "wire.md").read_text()
     block = doc.split("## Example: a PULL")[1].split("```")[1]
     assert bytes.fromhex(block) == frame(MsgType.PULL, {"newer_than": -1})

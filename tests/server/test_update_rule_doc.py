@@ -28,7 +28,7 @@ from rudra_async.client import Client
 from rudra_async.errors import ConfigError
 from rudra_async.layout import Layout
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "protocols.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocols.md"
 f32 = np.float32
 
 
