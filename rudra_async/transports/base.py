@@ -458,31 +458,33 @@ OnAccept = Callable[[Connection], None]
 
 class ServingListener(Listener):
     """A listener that runs ``on_connection`` once per accepted connection and closes the
-    connection when it returns; subclasses only accept (``_spawn`` or ``await _serve``)
-    and stop accepting (``_stop_accepting``). ``on_accept`` runs first, synchronously:
+    connection when it returns; subclasses only hand over each accepted connection (:meth:`spawn`, or ``await``
+    :meth:`serve`) and stop accepting (:meth:`stop_accepting`); its own state is private
+    (name-mangled), so a subclass may use any attribute name. ``on_accept`` runs first, synchronously:
     a subclass hands a connection over before reading from it."""
 
     def __init__(self, on_connection: OnConnection, on_accept: OnAccept | None = None) -> None:
-        self._on_connection = on_connection
-        self._on_accept = on_accept
-        self._conns: set[Connection] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.__on_connection = on_connection
+        self.__on_accept = on_accept
+        self.__conns: set[Connection] = set()
+        self.__tasks: set[asyncio.Task[None]] = set()
         self.address = ""
 
-    def _spawn(self, conn: Connection) -> None:
+    def spawn(self, conn: Connection) -> None:
         """Serve ``conn`` in a task of its own (``on_accept`` runs now, before this returns)."""
-        self._accepted(conn)
-        asyncio.get_running_loop().create_task(self._serve(conn, accepted=True))
+        self.accept(conn)
+        asyncio.get_running_loop().create_task(self.serve(conn, accepted=True))
 
-    def _accepted(self, conn: Connection) -> None:
-        if self._on_accept is not None:
+    def accept(self, conn: Connection) -> None:
+        """Run ``on_accept`` for ``conn`` now (:meth:`spawn` and :meth:`serve` do, unless told it ran)."""
+        if self.__on_accept is not None:
             try:
-                self._on_accept(conn)
+                self.__on_accept(conn)
             except Exception:  # a hook bug must not take the listener down
                 log.exception("accepting %s failed", conn.peer)
                 conn.close()
 
-    async def _serve(
+    async def serve(
         self, conn: Connection, *, accepted: bool = False, ready: Callable[[], Awaitable[None]] | None = None
     ) -> None:
         """Serve ``conn`` in the current task (for transports that call back in a task);
@@ -491,11 +493,11 @@ class ServingListener(Listener):
         fails, or is cancelled, the connection is lost and ``on_connection`` still runs (it
         learns so at its first receive), so whatever ``on_accept`` set up ends with it."""
         if not accepted:
-            self._accepted(conn)
+            self.accept(conn)
         task = asyncio.current_task()
         assert task is not None
-        self._conns.add(conn)
-        self._tasks.add(task)
+        self.__conns.add(conn)
+        self.__tasks.add(task)
         try:
             if conn.is_closed:  # refused by on_accept
                 return
@@ -506,9 +508,9 @@ class ServingListener(Listener):
                     pass
                 except asyncio.CancelledError:
                     conn.close()
-                    await self._on_connection(conn)  # returns at once: the connection is closed
+                    await self.__on_connection(conn)  # returns at once: the connection is closed
                     raise
-            await self._on_connection(conn)
+            await self.__on_connection(conn)
         except asyncio.CancelledError:
             pass
         except RudraError as exc:  # the handler gave the connection up: say why
@@ -517,17 +519,17 @@ class ServingListener(Listener):
             log.exception("connection handler for %s failed", conn.peer)
         finally:
             conn.close()
-            self._conns.discard(conn)
-            self._tasks.discard(task)
+            self.__conns.discard(conn)
+            self.__tasks.discard(task)
 
-    def _stop_accepting(self) -> None:
+    def stop_accepting(self) -> None:
         """Stop taking new connections (the subclass's server object)."""
 
     async def close(self) -> None:
-        self._stop_accepting()
-        for conn in list(self._conns):
+        self.stop_accepting()
+        for conn in list(self.__conns):
             conn.close()
-        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        tasks = [t for t in self.__tasks if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         if tasks:

@@ -71,7 +71,7 @@ class MemoryListener(ServingListener):
         self.address = f"memory://{name}"
         self.limits = limits
 
-    def _stop_accepting(self) -> None:
+    def stop_accepting(self) -> None:
         _listeners.pop(self.name, None)
 
 
@@ -111,7 +111,7 @@ class MemoryTransport(Transport):
         client = self.connection_type(limits, f"memory://{name}")
         server = self.connection_type(listener.limits, f"memory://{name}#client")
         client.other, server.other = server, client
-        listener._spawn(server)
+        listener.spawn(server)
         return client
 
 

@@ -304,7 +304,12 @@ class StreamListener(ServingListener):
         """The sockets it listens on (an ``asyncio`` server's; none for another acceptor)."""
         return tuple(getattr(self._server, "sockets", None) or ())
 
-    def _stop_accepting(self) -> None:
+    def attach(self, acceptor: Accepting) -> None:
+        """What accepts this listener's connections (an ``asyncio`` server, a TLS acceptor);
+        :meth:`stop_accepting` closes it."""
+        self._server = acceptor
+
+    def stop_accepting(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -346,7 +351,7 @@ async def start_listener(
     ``on_accept`` runs in ``connection_made``, before the first byte is parsed."""
     listener = StreamListener(on_connection, on_accept, on_close)
     try:
-        listener._server = await server_opener(lambda: new_connection(listener._spawn))
+        listener.attach(await server_opener(lambda: new_connection(listener.spawn)))
     except OSError as exc:
         raise ConnectError(f"cannot listen on {url}: {exc.strerror or exc}") from None
     return listener

@@ -117,7 +117,7 @@ async def _listen_tls(
 ) -> StreamListener:
     """A listener on ``url`` whose connections become TLS after ``on_accept`` has taken them."""
     listener = StreamListener(on_connection, on_accept)
-    listener._server = _TlsServer(await _bind(url), listener, limits, context, timeout)
+    listener.attach(_TlsServer(await _bind(url), listener, limits, context, timeout))
     return listener
 
 
@@ -193,11 +193,11 @@ class _TlsServer:
             conn = StreamConnection(self._limits, peer=format_host_port("tcp", address[0], address[1]))
             arrival = _Arrival(sock)
             conn.abort_connecting = arrival.abort  # a close before or during the handshake ends it
-            self._listener._accepted(conn)
+            self._listener.accept(conn)
             if conn.is_closed:  # refused at once: no handshake
                 continue
             ready = functools.partial(self._handshake, conn, arrival)
-            task = loop.create_task(self._listener._serve(conn, accepted=True, ready=ready))
+            task = loop.create_task(self._listener.serve(conn, accepted=True, ready=ready))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
             await asyncio.sleep(0)  # sock_accept may not yield while connections wait: let the loop run

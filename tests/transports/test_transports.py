@@ -86,3 +86,22 @@ async def test_conformance_whoever_writes_the_frames(url, threshold, send_thread
     assert ran == [c.__name__ for c in CHECKS]
     assert bool(send_threads.calls) == bool(threshold)
     assert all(name.startswith("rudra-send") for name in send_threads.calls)
+
+
+async def test_a_listener_subclass_may_use_any_attribute_name(monkeypatch):
+    """The base listener's own state is name-mangled: a plugin's listener with attributes
+    named like the base class's old private ones (``_accepted``, ``_conns``, ``_tasks``,
+    ``_on_accept``) still accepts, serves and closes as the contract says."""
+    from rudra_async.transports import memory
+
+    class PluginListener(memory.MemoryListener):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._accepted, self._conns, self._tasks, self._on_accept = [], "mine", None, "also mine"
+
+    monkeypatch.setattr(memory, "MemoryListener", PluginListener)
+    ran = await check_transport(
+        "memory://plugin-names",
+        only=("small_frames", "concurrent_connections", "close_semantics", "accept_hook_comes_first"),
+    )
+    assert len(ran) == 4

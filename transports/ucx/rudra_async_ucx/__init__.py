@@ -114,7 +114,7 @@ class UcxListener(ServingListener):
         self._listener: Any = None
 
     async def _handle(self, ep: Any) -> None:  # ucxx calls this in a task of its own
-        await self._serve(UcxConnection(ep, self._limits, f"ucx://{self._host}#peer{next(_peers)}"))
+        await self.serve(UcxConnection(ep, self._limits, f"ucx://{self._host}#peer{next(_peers)}"))
 
     def _stop_accepting(self) -> None:
         if self._listener is not None:
