@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tcp_roundtrip import _serve_raw, raw_round_trips
 
 from rudra_async import transports
-from rudra_async.transports.shm import _Attached
+from rudra_async.transports.shm.segments import _Attached
 from rudra_async.wire import MsgType
 
 SIZES = [1_000_000, 16_000_000, 100_000_000]

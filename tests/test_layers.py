@@ -84,7 +84,9 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
             else:
                 base = here[: len(here) - node.level + 1] if node.level else []
                 module = ".".join([*base, *([node.module] if node.module else [])])
-                targets = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+                submodules = [f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in names]
+                # ``from pkg import submodule`` runs the submodule; any other name is pkg's own
+                targets = submodules if len(submodules) == len(node.names) else [module, *submodules]
             graph[name] |= {t for t in targets if t in names and t != name}
     return graph
 

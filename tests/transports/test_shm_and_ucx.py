@@ -96,7 +96,7 @@ async def test_a_released_body_returns_its_segment_without_a_message():
 
 
 def test_a_late_notice_for_an_earlier_body_does_not_free_a_reused_segment():
-    out = shm._Outgoing()
+    out = shm.segments._Outgoing()
     try:
         body = np.ones(1 << 18, np.float32)
         seg, first = out.take([body], body.nbytes)
@@ -126,13 +126,13 @@ async def test_a_blocking_sender_waits_for_a_segment_and_is_woken_by_the_notice(
         big[:] = i
         run_sync(conn.send(MsgType.PUSH, {"i": i}, [big]))
 
-    for i in range(shm.MAX_SEGMENTS):
+    for i in range(shm.segments.MAX_SEGMENTS):
         send(i)
     blocked = asyncio.get_running_loop().run_in_executor(None, send, 99)
     try:
         await asyncio.sleep(0.2)
         assert not blocked.done()  # every segment is held by the receiver
-        assert [f.arrays[0][0] for f in frames] == list(range(shm.MAX_SEGMENTS))  # none overwritten
+        assert [f.arrays[0][0] for f in frames] == list(range(shm.segments.MAX_SEGMENTS))  # none overwritten
         assert conns[0].bytes_out == 0
         frames[1].release()  # the sender asked for notices: this one wakes it
         assert conns[0].bytes_out > 0  # the RELEASE notice
@@ -151,11 +151,11 @@ async def test_held_bodies_make_the_sender_use_another_segment_then_wait():
     listener = await transports.listen("shm://", collector(frames))
     conn = await transports.connect(listener.address)
     big = np.ones(1 << 18, np.float32)
-    for i in range(shm.MAX_SEGMENTS):
+    for i in range(shm.segments.MAX_SEGMENTS):
         big[:] = i
         await conn.send(MsgType.PUSH, {"i": i}, [big])
     await asyncio.sleep(0.05)
-    assert [f.arrays[0][0] for f in frames] == list(range(shm.MAX_SEGMENTS))  # none overwritten
+    assert [f.arrays[0][0] for f in frames] == list(range(shm.segments.MAX_SEGMENTS))  # none overwritten
     blocked = asyncio.create_task(conn.send(MsgType.PUSH, {"i": 99}, [big]))
     await asyncio.sleep(0.1)
     assert not blocked.done()  # back-pressure: every segment is held by the receiver
@@ -222,7 +222,7 @@ def shm_open(name, flags, mode=0o777):
     return fd
 
 real, _posixshmem.shm_open = _posixshmem.shm_open, shm_open
-shm._Segment(1 << 20)
+shm.segments._Segment(1 << 20)
 """
 
 
@@ -253,7 +253,7 @@ def ftruncate(fd, size):
 os.ftruncate = ftruncate
 for _ in range(2):
     try:
-        shm._Segment(1 << 20)
+        shm.segments._Segment(1 << 20)
     except OSError as exc:
         print(exc)
 """
@@ -523,7 +523,7 @@ async def test_a_blocking_learner_over_shm_copies_the_weights_as_they_are_comput
     grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
     expected = numpy_sgd(w0, grads)
     slow_pieces(monkeypatch)
-    monkeypatch.setattr(shm, "ORDERED_STORES", ordered)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", ordered)
     followed = []
     follow = shm.BlockingShmConnection._follow
     monkeypatch.setattr(shm.BlockingShmConnection, "_follow", lambda *a: followed.append(1) or follow(*a))
@@ -538,7 +538,7 @@ async def test_a_learner_copying_weights_being_computed_learns_when_the_update_f
     """The update fails halfway: the progress word says -1 and the learner raises PeerGone
     (it does not wait for bytes that will never be final); the server stops (UpdateFailed)."""
     pieces = slow_pieces(monkeypatch, fail_at=15)  # the second update's fifth piece
-    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", True)
     size = 50_000
     w0 = np.zeros(size, np.float32)
     with pytest.raises(UpdateFailed, match="a kernel that fails"):  # from serve(), awaited by run_server
@@ -603,8 +603,8 @@ def write_ahead(monkeypatch, piece_s: float = 0.002) -> list[float]:
     """Make every body of 64 KiB or more a push written after its reference, in 16 KiB
     pieces that take ``piece_s`` each to write, and checked by the server 4,096 values at a
     time, off the loop; the list gets the time of each piece the server checks."""
-    monkeypatch.setattr(shm, "WRITE_AHEAD_MIN", 1 << 16)
-    monkeypatch.setattr(shm, "WRITE_PIECE", 1 << 14)
+    monkeypatch.setattr(shm.segments, "WRITE_AHEAD_MIN", 1 << 16)
+    monkeypatch.setattr(shm.segments, "WRITE_PIECE", 1 << 14)
     monkeypatch.setattr(written, "PIECE_VALUES", 4096)
     monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
 
@@ -615,7 +615,7 @@ def write_ahead(monkeypatch, piece_s: float = 0.002) -> list[float]:
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(shm, "_FENCE", SlowFence())
+    monkeypatch.setattr(shm.segments, "_FENCE", SlowFence())
     checked: list[float] = []
     max_abs = ServerCore.max_abs
     monkeypatch.setattr(ServerCore, "max_abs", lambda self, g: checked.append(time.monotonic()) or max_abs(self, g))
@@ -639,7 +639,7 @@ async def test_a_blocking_learner_over_shm_pushes_before_writing_and_the_server_
     grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
     expected = numpy_sgd(w0, grads)
     checked = write_ahead(monkeypatch)
-    monkeypatch.setattr(shm, "ORDERED_STORES", ordered)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", ordered)
     pushed: list[tuple[float, float]] = []  # when each push's send began and ended
     send = shm.BlockingShmConnection.send
 
@@ -672,11 +672,11 @@ async def test_pushes_written_after_their_reference_reuse_the_segment_of_the_hel
     come after the learner's next push took a segment (which then makes a new one)."""
     write_ahead(monkeypatch, piece_s=0)
     monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1 << 30)  # write_ahead's 1: every update in the background
-    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", True)
     size = 400_000  # 1.6 MB: beyond the smallest segment (1 MiB)
     names = []
-    reserve = shm._Outgoing.reserve
-    monkeypatch.setattr(shm._Outgoing, "reserve", lambda self, n: names.append(seg := reserve(self, n)) or seg)
+    reserve = shm.segments._Outgoing.reserve
+    monkeypatch.setattr(shm.segments._Outgoing, "reserve", lambda self, n: names.append(seg := reserve(self, n)) or seg)
     w0 = np.zeros(size, np.float32)
     grads = [np.full(size, 0.5, np.float32)] * 2
     async with run_server(listen=["shm://"], lr=0.05, momentum=0.9, kernel="numpy") as ps:
@@ -689,7 +689,7 @@ async def test_a_nan_in_the_last_piece_of_a_push_written_after_its_reference_is_
     """The pieces checked as they are written find a NaN in the last one: the push is
     refused (bad_gradient), nothing is applied and the learner goes on."""
     checked = write_ahead(monkeypatch)
-    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", True)
     size = 50_000
     w0 = np.zeros(size, np.float32)
     async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
@@ -730,7 +730,7 @@ async def test_a_learner_that_stops_writing_its_push_stalls_no_one_and_is_closed
     another learner trains meanwhile, and the idle deadline closes the stalled one, counted
     push_not_written; nothing of its push is applied."""
     monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
-    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", True)
     size = 50_000
     w0 = np.zeros(size, np.float32)
     async with run_server(listen=["shm://"], lr=0.05, kernel="numpy", idle_timeout=1.0) as ps:
@@ -765,7 +765,7 @@ async def test_a_learner_that_stops_writing_its_push_is_evicted_from_a_hardsync_
     rounds complete without it; once it writes the rest it rejoins, and its late gradient is
     dropped."""
     monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
-    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", True)
     size = 50_000
     w0 = np.zeros(size, np.float32)
     go_on = threading.Event()
@@ -857,7 +857,7 @@ async def test_a_refused_reference_gives_its_segment_back_and_a_ticket_beyond_in
 async def test_only_the_hello_a_welcome_answers_can_ask_for_progress_words(monkeypatch):
     """A HELLO that says "~progress" but is refused does not turn progress words on: the
     WELCOME to the next HELLO, which does not say it, does not offer them either."""
-    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", True)
     size = 50_000
     async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
         server_name = ps.addresses[0].removeprefix("shm://")
@@ -883,7 +883,7 @@ async def test_a_push_written_after_its_reference_where_not_allowed_is_fatal(cas
     """A reference with a progress word that the server did not announce, one whose word
     lies inside the body or beyond the segment, or one in any frame but a PUSH, ends the
     connection with a malformed error; nothing is applied."""
-    monkeypatch.setattr(shm, "ORDERED_STORES", True)
+    monkeypatch.setattr(shm.segments, "ORDERED_STORES", True)
     size = 50_000
     async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
         server_name = ps.addresses[0].removeprefix("shm://")
@@ -943,8 +943,9 @@ async def test_a_segment_its_peer_does_not_own_is_refused_and_never_written(monk
     nothing is written into it: the body goes back by a RELEASE notice on the socket."""
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b:
-        assert shm.peer_uid(a) == os.getuid()
-    monkeypatch.setattr(shm, "peer_uid", lambda sock: os.getuid() + 1)  # the server takes the learner for another user
+        assert shm.segments.peer_uid(a) == os.getuid()
+    for side in (shm.connection, shm.blocking):  # where each side looks its peer's user up
+        monkeypatch.setattr(side, "peer_uid", lambda sock: os.getuid() + 1)  # each takes the other for another user
     size = 50_000
     async with run_server(listen=["shm://"]) as ps:
         server_name = ps.addresses[0].removeprefix("shm://")
