@@ -182,15 +182,7 @@ class _Suite:
 
     async def round_trip(self, conn: Connection, arrays: list[np.ndarray], **meta: Any) -> None:
         await conn.send(MsgType.PUSH, meta, arrays)
-        frame = await asyncio.wait_for(conn.recv(), self.timeout)
-        assert frame.msg_type == MsgType.PUSH, frame.msg_type
-        assert _echoed_meta(frame) == meta, frame.meta
-        got = frame.arrays
-        assert len(got) == len(arrays)
-        for a, b in zip(arrays, got):
-            assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), "payload corrupted"
-        frame.release()
+        _check_echo(await asyncio.wait_for(conn.recv(), self.timeout), arrays, meta)
 
 
 @_check
@@ -369,12 +361,16 @@ def _blocking_side(s: _Suite) -> None:
 
 def _blocking_round_trip(conn: BlockingConnection, arrays: list[np.ndarray], **meta: Any) -> None:
     run_sync(conn.send(MsgType.PUSH, meta, arrays))
-    frame = run_sync(conn.recv())
-    assert frame.msg_type == MsgType.PUSH and _echoed_meta(frame) == meta, ("blocking side", frame.meta)
-    assert len(frame.arrays) == len(arrays), "blocking side: a segment went missing"
+    _check_echo(run_sync(conn.recv()), arrays, meta, side="blocking side: ")
+
+
+def _check_echo(frame: Frame, arrays: list[np.ndarray], meta: dict[str, Any], side: str = "") -> None:
+    """``frame`` is the echo of a PUSH of ``arrays`` with ``meta``, byte for byte; released."""
+    assert frame.msg_type == MsgType.PUSH and _echoed_meta(frame) == meta, (side, frame.msg_type, frame.meta)
+    assert len(frame.arrays) == len(arrays), f"{side}a segment went missing"
     for a, b in zip(arrays, frame.arrays):
-        assert a.dtype == b.dtype and a.shape == b.shape, ("blocking side", a.dtype, a.shape, b.dtype, b.shape)
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), "blocking side: payload corrupted"
+        assert a.dtype == b.dtype and a.shape == b.shape, (side, a.dtype, a.shape, b.dtype, b.shape)
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{side}payload corrupted"
     frame.release()
 
 

@@ -169,6 +169,13 @@ def connect_socket(family: int, address: Any, url: str, *, limits: Limits, timeo
     (e.g. ``socket.AF_UNIX`` and a path): the blocking side of a transport made with
     :func:`rudra_async.transports.stream.connect_stream`. ConnectError (naming ``url``) at
     once if refused, or after ``timeout``."""
+    return BlockingConnection(open_socket(family, address, url, timeout), limits, url)
+
+
+def open_socket(family: int, address: Any, url: str, timeout: float) -> socket.socket:
+    """A new blocking stream socket of ``family`` connected to ``address`` (for a transport
+    whose blocking connection is a subclass: it wraps the socket itself); ConnectError
+    (naming ``url``) at once if refused, or after ``timeout``."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -178,7 +185,7 @@ def connect_socket(family: int, address: Any, url: str, *, limits: Limits, timeo
     except BaseException:
         sock.close()
         raise
-    return BlockingConnection(sock, limits, url)
+    return sock
 
 
 @contextlib.contextmanager

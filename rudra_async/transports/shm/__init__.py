@@ -45,9 +45,10 @@ import ssl
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
-from ...errors import ConfigError, Unreachable
+from ...errors import ConfigError
 from ...wire import DEFAULT_TIMEOUT, Limits
 from ..base import OnAccept, OnConnection, SharedMemory, Transport
+from ..blocking import open_socket
 from ..stream import StreamConnection, StreamListener, open_stream, start_listener
 from .blocking import BlockingShmConnection
 from .connection import ShmConnection
@@ -101,15 +102,7 @@ class ShmTransport(Transport):
     ) -> BlockingShmConnection:
         """A blocking connection to ``shm://NAME`` (same host; ``tls`` is never given: shm has
         none); ConnectError at once if nobody listens there, or after ``timeout``."""
-        name = _server_name(url)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(_socket_path(name))
-        except OSError as exc:
-            sock.close()
-            raise Unreachable(f"cannot connect to {url}: {exc.strerror or exc}") from None
-        sock.settimeout(None)
+        sock = open_socket(socket.AF_UNIX, _socket_path(_server_name(url)), url, timeout)
         return BlockingShmConnection(sock, limits, url)
 
     async def listen(
