@@ -1,5 +1,6 @@
-"""Who may talk to a server: the shared secret and its challenge–response, TLS contexts,
-and which addresses other hosts can reach.
+"""Who may talk to a server: the shared secret (its challenge–response, without I/O, is
+:mod:`rudra_async.proofs`, re-exported here), TLS contexts, and which addresses other hosts
+can reach.
 
 The handshake (normative description in ``docs/wire.md``): the learner sends AUTH with a
 fresh 32-byte nonce N_c; the server answers CHALLENGE with its own fresh nonce N_s only;
@@ -17,8 +18,6 @@ from ever serving as the other's.
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import math
 import os
 import secrets
@@ -29,7 +28,7 @@ from collections.abc import Mapping
 
 from .addresses import is_loopback_host
 from .errors import ConfigError
-from .wire import NONCE_BYTES
+from .proofs import client_proof, new_nonce, server_proof, verify
 
 __all__ = [
     "MIN_SECRET_BYTES",
@@ -52,8 +51,6 @@ SECRET_ENV = "RUDRA_ASYNC_SECRET"
 MIN_SECRET_BYTES = 16
 MIN_DISTINCT_BYTES = 8
 MIN_ESTIMATED_BITS = 40
-_SERVER_LABEL = b"rudra-async v1 server"
-_CLIENT_LABEL = b"rudra-async v1 client"
 
 
 def _checked(secret: bytes, source: str) -> bytes:
@@ -143,23 +140,6 @@ def resolve_secret(secret: bytes | str | None, path: str | None = None) -> bytes
     if secret is not None:
         return _checked(secret.encode() if isinstance(secret, str) else bytes(secret), "the secret argument")
     return load_secret(path)
-
-
-def new_nonce() -> bytes:
-    return secrets.token_bytes(NONCE_BYTES)
-
-
-def server_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    return hmac.new(secret, _SERVER_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
-
-
-def client_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    return hmac.new(secret, _CLIENT_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
-
-
-def verify(expected: bytes, got: object) -> bool:
-    """Constant-time comparison of a proof (anything but bytes of the right length is false)."""
-    return isinstance(got, bytes) and hmac.compare_digest(expected, got)
 
 
 # -- TLS --------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "options",
             "addresses",
             "security",
+            "proofs",
             "layout",
             "registry",
             "sync",
@@ -46,11 +47,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("transports", ["transports"]),
     ("settings", ["checkpoint", "config", "advice"]),
-    ("core and client", ["server", "server.core", "server.store", "server.guard", "client"]),
+    ("core and client", ["server", "server.core", "server.store", "server.guard", "server.session", "client"]),
     ("monitor", ["monitor"]),
     (
         "server shell",
-        ["server.parameter_server", "server.session", "server.written", "server.checkpointer", "server.traffic"],
+        ["server.parameter_server", "server.shell", "server.written", "server.checkpointer", "server.traffic"],
     ),
     ("learner", ["learner", "torch"]),
     ("runs", ["runs", "testing"]),
@@ -216,4 +217,5 @@ def _loaded_io(module: str) -> list[str]:
 
 def test_importing_the_core_loads_no_event_loop_socket_or_tls() -> None:
     assert _loaded_io("rudra_async.server.core") == []
+    assert _loaded_io("rudra_async.server.session") == []  # the session is sans I/O too
     assert "asyncio" in _loaded_io("rudra_async.server.parameter_server")  # the probe sees what the shell loads

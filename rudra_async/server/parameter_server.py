@@ -36,7 +36,8 @@ from ..transports.stream import close_lingering
 from ..wire import Frame, Limits, MsgType
 from .checkpointer import Checkpointer
 from .core import GradientSize, LearnerInfo, ServerCore, learner_extra
-from .session import Session
+from .session import Budget, Session
+from .shell import SessionShell
 from .store import Background, off_loop
 from .traffic import Traffic
 from .written import max_abs_as_written, until_written
@@ -117,7 +118,7 @@ class ParameterServer:
         #: what every connection bringing initial weights (a HELLO before the model exists) may hold at once
         self.initial_bytes = Budget(2 * cfg.max_model_bytes)
         self._sessions: dict[Connection, Session] = {}  # in order of arrival
-        self._unregistered: dict[Session, None] = {}  # sessions before hello, oldest first
+        self._unregistered: dict[Session, Connection] = {}  # sessions before hello, oldest first
         self._watchdog: asyncio.Task[None] | None = None
         self.traffic = Traffic()
         self.monitor: Monitor | None = None  # serving --metrics, once started
@@ -207,8 +208,10 @@ class ParameterServer:
             eventloop.serving(asyncio.get_running_loop(), False)
         if self.monitor is not None:
             await self.monitor.close()
-        for session in list(self._sessions.values()):  # before the connections close: why they do
-            session.notify_shutdown(self.closing_reason or "its owner closed it")
+        for conn, session in list(self._sessions.items()):  # before the connections close: why they do
+            notice = session.shutdown_notice(self.closing_reason or "its owner closed it")
+            if notice is not None:  # best effort; no hang_up: a lingering close would outlive the server's loop
+                conn.tell(MsgType.ERROR, notice)
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
@@ -470,24 +473,26 @@ class ParameterServer:
             # the least advanced handshake goes (a peer that has sent nothing before one that is
             # authenticating, before one that is authenticated), the oldest of its kind
             victim = min(self._unregistered, key=lambda s: s.progress)
+            victim_conn = self._unregistered[victim]
             message = (
                 f"the least advanced of {len(self._unregistered)} connections without hello (--max-unauthenticated)"
             )
-            self.refused("evicted", f"{victim.conn.peer}: {message}")
-            self._forget(victim)
-            _turn_away(victim.conn, "evicted", message)
+            self.refused("evicted", f"{victim_conn.peer}: {message}")
+            self._forget(victim_conn)
+            _turn_away(victim_conn, "evicted", message)
         session = Session(self, conn)
         conn.admit = session.admit
         self._sessions[conn] = session
-        self._unregistered[session] = None
+        self._unregistered[session] = conn
 
     def registered(self, session: Session) -> None:
         """The session said hello: it no longer counts against ``max_unauthenticated``."""
         self._unregistered.pop(session, None)
 
-    def _forget(self, session: Session) -> None:
-        self._unregistered.pop(session, None)
-        self._sessions.pop(session.conn, None)
+    def _forget(self, conn: Connection) -> None:
+        session = self._sessions.pop(conn, None)
+        if session is not None:
+            self._unregistered.pop(session, None)
 
     async def _handle(self, scheme: str, conn: Connection) -> None:
         session = self._sessions.get(conn)
@@ -495,11 +500,11 @@ class ParameterServer:
             return
         try:
             with self.traffic.track(scheme, conn):
-                await session.run()
+                await SessionShell(self, session, conn).run()
         except UpdateFailed:  # the server stops: _failed
             pass
         finally:
-            self._forget(session)
+            self._forget(conn)
 
     async def _watch(self) -> None:
         """Enforce the deadlines: close connections past theirs, evict hung learners; warn
@@ -511,9 +516,10 @@ class ParameterServer:
         while True:
             await asyncio.sleep(tick)
             now = self.now()
-            for session in list(self._sessions.values()):
+            for conn, session in list(self._sessions.items()):
                 if session.deadline is not None and now > session.deadline:
                     session.expire()
+                    conn.close()
             if cfg.learner_timeout:
                 with contextlib.suppress(UpdateFailed):  # an eviction may complete a round (the server stops: _failed)
                     self.core.evict_hung(now, cfg.learner_timeout)
@@ -532,21 +538,3 @@ def _turn_away(conn: Connection, code: str, message: str) -> None:
     without ``seq``, where the transport can send it at once; a learner then tries again
     within ``--reconnect``)."""
     conn.hang_up(MsgType.ERROR, {"code": code, "message": message, "fatal": True})
-
-
-class Budget:
-    """A number of bytes that several holders share: :meth:`take` what fits, :meth:`give_back`."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.taken = 0
-
-    def take(self, nbytes: int) -> bool:
-        """Take ``nbytes`` if they fit (True), else take nothing (False)."""
-        if self.taken + nbytes > self.limit:
-            return False
-        self.taken += nbytes
-        return True
-
-    def give_back(self, nbytes: int) -> None:
-        self.taken -= nbytes

@@ -1,4 +1,4 @@
-"""One connection's conversation with the server, as an explicit state machine.
+"""One connection's conversation with the server: an explicit state machine without I/O.
 
 ::
 
@@ -12,28 +12,38 @@ set of message types, one handler per (state, type); every request gets exactly 
 connection's limits, which depend on its state and are in force from the first byte
 (:meth:`Session.admit`, installed when the connection is accepted), and its deadline
 (handshake, idle, a reply not read), which the server's watchdog enforces.
+
+**Sans I/O.** The session never awaits and touches no socket, thread or event loop (in the
+style of h11). :meth:`Session.receive` turns one request into a *conversation*: a generator
+of :data:`Action` s — :class:`Send` a frame, :class:`Measure` a pushed gradient,
+:class:`AwaitUpdates` (every decided update computed), :class:`WaitUntil` the protocol lets
+the reply go. Whoever drives it carries each action out and sends its result back into the
+generator, or throws its error in (a lost connection, a frame too large to encode); the
+generator's ``finally`` blocks run however it ends. The server's asyncio shell
+(:mod:`.shell`) is one driver; the transport's callback for a small push+pull is another
+(:meth:`Session.express`: the same route, carried out at once); a test with scripted frames
+and a fake clock is a third. Time comes only from the host's ``now``.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import numpy as np
 
-from .. import schema, security
+from .. import proofs, schema
+from ..config import ServerConfig
 from ..errors import FrameTooLarge, RequestError, RudraError, WireError
-from ..transports.base import Connection
-from ..wire import Frame, Header, MsgType
-from .core import LearnerInfo
+from ..wire import Frame, Header, Limits, MsgType
+from .core import GradientSize, LearnerInfo, ServerCore
 
 if TYPE_CHECKING:
     from ..transports.offload import Gate
-    from .parameter_server import ParameterServer
 
 log = logging.getLogger(__name__)
 
@@ -64,23 +74,123 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-Handler = Callable[["Session", Frame], Awaitable[None]]
+# -- the actions a conversation asks its driver to carry out ---------------------------------
+@dataclass(frozen=True, eq=False)
+class Send:
+    """Send one frame. With a ``gate`` its body is still being computed (the driver writes
+    each byte once the gate says it is final: ``Connection.send_computing``). Result: None.
+    Thrown in: :class:`FrameTooLarge` (nothing of it went out), or the connection's loss."""
+
+    msg_type: MsgType
+    meta: dict[str, Any]
+    arrays: Sequence[np.ndarray] = ()
+    gate: Gate | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Measure:
+    """Wait until the push's gradient is all written (calling ``on_written`` as soon as it
+    is), and measure a large one off the event loop. Result: its :class:`GradientSize`, or
+    None for a small one (the core measures it inline). Thrown in: the connection's loss."""
+
+    learner: LearnerInfo
+    frame: Frame
+    on_written: Callable[[], None]
+
+
+@dataclass(frozen=True, eq=False)
+class AwaitUpdates:
+    """Wait until every decided update is computed. Result: None. Thrown in: UpdateFailed."""
+
+
+@dataclass(frozen=True, eq=False)
+class WaitUntil:
+    """Wait until ``ready()`` (re-checked whenever the server's state changes), the run stops
+    or the server closes. ``parked``: a bare PULL's wait, which is no request in progress.
+    Result: None. Thrown in: the connection's loss."""
+
+    ready: Callable[[], bool]
+    learner_id: int
+    parked: bool = False
+
+
+Action = Send | Measure | AwaitUpdates | WaitUntil
+#: one request's handling: yields actions, receives their results
+Conversation = Generator[Action, Any, None]
+
+
+def advance(conversation: Conversation, result: Any = None, error: BaseException | None = None) -> Action | None:
+    """The next action of ``conversation``, given the last one's ``result`` (or its ``error``,
+    thrown in); None once the conversation has ended (its own error is raised)."""
+    try:
+        return conversation.send(result) if error is None else conversation.throw(error)
+    except StopIteration:
+        return None
+
+
+# -- what the session needs of its server and its connection (no I/O) ------------------------
+class Host(Protocol):
+    """The server a session belongs to (:class:`~.parameter_server.ParameterServer` is one)."""
+
+    core: ServerCore
+    config: ServerConfig
+    secret: bytes | None
+    initial_bytes: Budget
+    limits: Limits
+    now: Callable[[], float]
+
+    def refused(self, code: str, message: str) -> None: ...
+
+    def registered(self, session: Session) -> None: ...
+
+
+class Link(Protocol):
+    """What the session asks of its connection: who the peer is and what it can send now
+    (``Connection`` is one)."""
+
+    @property
+    def peer(self) -> str: ...
+
+    def sends_computing(self, body_bytes: int) -> bool: ...
+
+    def nowait_room(self, body_bytes: int) -> bool: ...
+
+
+class Budget:
+    """A number of bytes that several holders share: :meth:`take` what fits, :meth:`give_back`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    def take(self, nbytes: int) -> bool:
+        """Take ``nbytes`` if they fit (True), else take nothing (False)."""
+        if self.taken + nbytes > self.limit:
+            return False
+        self.taken += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        self.taken -= nbytes
+
+
+Handler = Callable[["Session", Frame], Conversation]
 
 
 class Session:
-    """Serves one connection until BYE, loss of the connection, a fatal error or its deadline."""
+    """One connection's state until BYE, loss of the connection, a fatal error or its deadline."""
 
-    def __init__(self, server: ParameterServer, conn: Connection) -> None:
-        self.server = server
-        self.core = server.core
-        self.conn = conn
-        self.secret = server.secret
+    def __init__(self, host: Host, link: Link) -> None:
+        self.host = host
+        self.core = host.core
+        self.link = link
+        self.secret = host.secret
         self.state = State.AUTHENTICATING if self.secret is not None else State.AWAITING_HELLO
         self.learner: LearnerInfo | None = None
         self._client_nonce = b""
         self._server_nonce = b""
         #: when the watchdog closes this connection (None: no deadline now), and why
-        self.deadline: float | None = self.server.now() + server.config.handshake_timeout
+        self.deadline: float | None = host.now() + host.config.handshake_timeout
         self.deadline_code = "handshake_timeout"
         self.said_bye = False
         self._heard = False  # a frame of this peer was read
@@ -116,18 +226,19 @@ class Session:
                 )
             return
         if store is None:
-            limit = self.server.config.max_model_bytes
+            budget = self.host.initial_bytes
+            limit = self.host.config.max_model_bytes
             if header.body_len > limit:
                 raise FrameTooLarge(
                     f"body of {header.body_len} bytes: the initial weights may have at most {limit} (--max-model-bytes)",
                     msg_type=header.msg_type,
                 )
             self._release_initial()
-            if not self.server.initial_bytes.take(header.body_len):
+            if not budget.take(header.body_len):
                 raise FrameTooLarge(
                     f"body of {header.body_len} bytes: other connections are bringing initial weights of "
-                    f"{self.server.initial_bytes.taken} bytes, and all of them may hold at most "
-                    f"{self.server.initial_bytes.limit} (twice --max-model-bytes) until the model exists; try again",
+                    f"{budget.taken} bytes, and all of them may hold at most "
+                    f"{budget.limit} (twice --max-model-bytes) until the model exists; try again",
                     msg_type=header.msg_type,
                 )
             self._initial_bytes = header.body_len
@@ -139,7 +250,7 @@ class Session:
 
     def _release_initial(self) -> None:
         """Give back the memory budget this connection's initial weights held (read or dropped)."""
-        self.server.initial_bytes.give_back(self._initial_bytes)
+        self.host.initial_bytes.give_back(self._initial_bytes)
         self._initial_bytes = 0
 
     def _body_limit(self, msg_type: int, model_bytes: int) -> int:
@@ -151,57 +262,35 @@ class Session:
             return state.layout.nbytes + BODY_SLACK
         return 2 * model_bytes + BODY_SLACK
 
-    # -- the loop ---------------------------------------------------------------------------
-    async def run(self) -> None:
+    # -- what the driver calls ------------------------------------------------------------
+    def receive(self, frame: Frame) -> Conversation:
+        """The whole handling of one request read from the connection: its reply (an ERROR
+        for a refusal; a fatal one ends the session: :attr:`state` becomes CLOSED)."""
+        learner = self._arrived()
         try:
-            while self.state is not State.CLOSED:
-                self._await_request()
-                self.conn.express = self.express if self.state is State.READY else None
-                try:
-                    frame = await self.conn.recv()
-                except WireError as exc:  # fatal: the byte stream lost sync
-                    code = self._fatal_code(exc)
-                    message = AUTH_REQUIRED if code == "auth_required" else str(exc)
-                    await self._refuse(code, message, fatal=True, request={})
-                    return
-                finally:
-                    self.conn.express = None
-                self._heard = True
-                self._release_initial()  # read: the frame owns its bytes now (or the model exists)
-                if self.state is State.READY:  # the handshake's deadline stays, from accept to hello
-                    self.deadline = None
-                learner = self.learner
-                if learner is not None:
-                    self.core.active(learner)
-                try:
-                    await self._dispatch(frame)
-                except RequestError as exc:  # during the handshake every refusal is fatal
-                    fatal = exc.code in FATAL or self.state in (State.AUTHENTICATING, State.CHALLENGED)
-                    await self._refuse(exc.code, str(exc), fatal=fatal, request=frame.meta)
-                finally:
-                    frame.release()  # a no-op for a frame the core took
-                    if learner is not None:
-                        self.core.idle(learner)
+            try:
+                yield from self._dispatch(frame)
+            except RequestError as exc:  # during the handshake every refusal is fatal
+                fatal = exc.code in FATAL or self.state in (State.AUTHENTICATING, State.CHALLENGED)
+                yield from self._refuse(exc.code, str(exc), fatal=fatal, request=frame.meta)
         finally:
-            self._release_initial()
-            if self.state is State.CHALLENGED:  # a peer that took a challenge and never proved anything
-                self.server.refused("auth_abandoned", f"{self.conn.peer}: left the handshake after its CHALLENGE")
-            self.state = State.CLOSED
-            if self.learner is not None:  # the server closing ends it as orderly as a bye
-                self.core.leave(self.learner, clean=self.said_bye or self.server.closing)
+            frame.release()  # a no-op for a frame the core took
+            self._answered(learner)
 
-    def express(self, frame: Frame) -> bool:
-        """Answer a push+pull from the transport's callback, while this session waits for a
-        request (the connection's ``express`` hook): True when answered. Only where the
-        reply can be given at once — a protocol that ``answers_at_once``, a model of at
-        most :data:`EXPRESS_MAX_VALUES` values updated on this thread, a transport that can
-        send now — and with the same reply, core calls and deadline as :meth:`_push`; the
-        reply carries a copy of the weights (the transport may send it later). Anything
-        else, a refused push included, is declined (False) and goes the usual way. An
-        unexpected error closes the connection (the frame is taken: True)."""
+    def express(self, frame: Frame) -> Conversation | None:
+        """The conversation of a push+pull its driver can carry out at once, from the
+        transport's callback while the session waits for a request, or None where it cannot
+        (declined: the frame then comes the usual way, through :meth:`receive`). It is the
+        route of :meth:`receive` — the same core calls, reply and deadline — taken where
+        nothing on it waits: a protocol that ``answers_at_once``, a model of at most
+        :data:`EXPRESS_MAX_VALUES` values updated on the caller's thread, a gradient that
+        came whole, a transport that can send the weights now (it may send them later, so
+        the driver sends copies). A refusal is raised (RequestError), not answered: nothing
+        changed, and the usual way refuses it."""
         core, store, learner = self.core, self.core.store, self.learner
         if not (
-            frame.msg_type == MsgType.PUSH
+            self.state is State.READY
+            and frame.msg_type == MsgType.PUSH
             and frame.meta.get("pull") is True
             and frame.error is None
             and schema.seq_fits(frame.meta)
@@ -211,52 +300,66 @@ class Session:
             and store is not None
             and store.layout.size <= EXPRESS_MAX_VALUES
             and store.updates_inline
-            and self.conn.nowait_room(store.layout.nbytes)
+            and self.link.nowait_room(store.layout.nbytes)
             and core.pull_ready(learner.learner_id)
         ):
-            return False
-        core.active(learner)
+            return None
+        return self._expressed(frame)
+
+    def _expressed(self, frame: Frame) -> Conversation:
+        learner = self._arrived()
         try:
-            try:
-                pending = core.push(learner, frame.meta, frame)
-            except RequestError:
-                return False  # refused before anything changed: the session refuses it the usual way
-            if pending.wait_applied or not pending.settled:
-                raise RudraError(
-                    f"protocol {core.protocol.name!r} declares answers_at_once but held a gradient or made "
-                    "its pusher wait (a subclass that waits must set answers_at_once = False)"
-                )
-            clock = store.clock
-            reply = _answering(self._weights_meta(clock), frame.meta)
-            try:
-                self.conn.send_nowait(MsgType.WEIGHTS, reply, [store.weights.copy()])
-            except FrameTooLarge as exc:  # nothing of it went out: say so instead
-                self.conn.send_nowait(MsgType.ERROR, self._unencodable(MsgType.WEIGHTS, exc))
-            else:
-                core.pulled(learner, clock)
-        except Exception:  # from a transport callback: end this session as a failed handler would
-            log.exception("answering a push+pull of learner %d failed; closing %s", learner.learner_id, self.conn.peer)
-            self.conn.close()
-            return True
-        finally:
-            core.idle(learner)
-        self._await_request()
-        return True
+            yield from self._push(frame, at_once=True)
+        finally:  # the frame is the core's now, or (refused) goes the usual way
+            self._answered(learner)
 
-    def notify_shutdown(self, reason: str) -> None:
-        """The server is shutting down: tell a registered learner so (a fatal ERROR
-        ``shutting_down``, without ``seq``, the reply its next request reads) before its
-        connection closes, where the transport can send it now; best effort."""
-        if self.state is State.READY:  # no hang_up: a lingering close would outlive the server's loop
-            message = f"the server is shutting down: {reason}"
-            self.conn.tell(MsgType.ERROR, {"code": "shutting_down", "message": message, "fatal": True})
+    def lost_sync(self, exc: WireError) -> Conversation:
+        """The byte stream lost sync (a frame that cannot be read): a fatal refusal."""
+        code = self._fatal_code(exc)
+        yield from self._refuse(code, AUTH_REQUIRED if code == "auth_required" else str(exc), fatal=True, request={})
 
-    def _await_request(self) -> None:
-        """Set the deadline for the next request: the handshake's (fixed at accept) until
-        hello, then the idle timeout."""
+    def end(self, closing: bool) -> None:
+        """The connection is gone (``closing``: because the server closes, which ends a
+        learner as orderly as a bye)."""
+        self._release_initial()
+        if self.state is State.CHALLENGED:  # a peer that took a challenge and never proved anything
+            self.host.refused("auth_abandoned", f"{self.link.peer}: left the handshake after its CHALLENGE")
+        self.state = State.CLOSED
+        if self.learner is not None:
+            self.core.leave(self.learner, clean=self.said_bye or closing)
+
+    def shutdown_notice(self, reason: str) -> dict[str, Any] | None:
+        """The ERROR (fatal ``shutting_down``, without ``seq``) to tell a registered learner
+        before the server closes its connection (the reply its next request reads); None
+        for a peer that has not said hello."""
+        if self.state is not State.READY:
+            return None
+        return {"code": "shutting_down", "message": f"the server is shutting down: {reason}", "fatal": True}
+
+    def expire(self) -> None:
+        """The deadline passed: count and log it (the driver then closes the connection)."""
+        self.host.refused(self.deadline_code, f"{self.link.peer}: {self._expired_because()}")
+        self.deadline = None
+
+    # -- the request's frame ----------------------------------------------------------------
+    def _arrived(self) -> LearnerInfo | None:
+        """A request was read: the handshake's deadline stays (from accept to hello), any
+        other ends; the learner has a request in progress."""
+        self._heard = True
+        self._release_initial()  # read: the frame owns its bytes now (or the model exists)
         if self.state is State.READY:
-            idle = self.server.config.idle_timeout
-            self.deadline = self.server.now() + idle if idle else None
+            self.deadline = None
+        if self.learner is not None:
+            self.core.active(self.learner)
+        return self.learner
+
+    def _answered(self, learner: LearnerInfo | None) -> None:
+        """The request was answered: its learner's request ends, the idle deadline starts."""
+        if learner is not None:
+            self.core.idle(learner)
+        if self.state is State.READY:
+            idle = self.host.config.idle_timeout
+            self.deadline = self.host.now() + idle if idle else None
             self.deadline_code = "idle_timeout"
 
     def _fatal_code(self, exc: WireError) -> str:
@@ -267,14 +370,8 @@ class Session:
             return "auth_required"
         return exc.code
 
-    def expire(self) -> None:
-        """The deadline passed: count, log and close (the loop then ends with the connection)."""
-        self.server.refused(self.deadline_code, f"{self.conn.peer}: {self._expired_because()}")
-        self.deadline = None
-        self.conn.close()
-
     def _expired_because(self) -> str:
-        cfg = self.server.config
+        cfg = self.host.config
         if self.deadline_code == "handshake_timeout":
             return f"no hello within {cfg.handshake_timeout:g} s"
         if self.deadline_code == "reply_not_read":
@@ -283,7 +380,7 @@ class Session:
             return f"a gradient not written within {cfg.idle_timeout:g} s"
         return f"no request for {cfg.idle_timeout:g} s"
 
-    async def _dispatch(self, frame: Frame) -> None:
+    def _dispatch(self, frame: Frame) -> Conversation:
         if frame.error is not None:
             if self.state in (State.AUTHENTICATING, State.CHALLENGED):
                 raise RequestError("authenticate first", code="auth_required")
@@ -291,7 +388,7 @@ class Session:
         schema.check_seq(frame.meta)  # any request: its reply must be able to echo it
         handler = HANDLERS[self.state].get(frame.msg_type)
         if handler is not None:
-            await handler(self, frame)
+            yield from handler(self, frame)
             return
         if self.state is State.AUTHENTICATING:
             raise RequestError(AUTH_REQUIRED, code="auth_required")
@@ -308,32 +405,32 @@ class Session:
         raise RequestError("hello twice on one connection", code="bad_request")
 
     # -- handlers, one per (state, message type) --------------------------------------------
-    async def _auth(self, frame: Frame) -> None:
+    def _auth(self, frame: Frame) -> Conversation:
         """The server's nonce, and nothing derived from the secret: the learner proves first
         (a proof from the server to any peer would let it test guesses of the secret offline)."""
         fields = self._fields(frame)
-        self._client_nonce, self._server_nonce = fields["nonce"], security.new_nonce()
+        self._client_nonce, self._server_nonce = fields["nonce"], proofs.new_nonce()
         self.state = State.CHALLENGED
-        await self._reply(MsgType.CHALLENGE, {"nonce": self._server_nonce}, frame.meta)
+        yield from self._reply(MsgType.CHALLENGE, {"nonce": self._server_nonce}, frame.meta)
 
-    async def _proof(self, frame: Frame) -> None:
+    def _proof(self, frame: Frame) -> Conversation:
         fields = self._fields(frame)
         assert self.secret is not None
-        expected = security.client_proof(self.secret, self._client_nonce, self._server_nonce)
-        if not security.verify(expected, fields["proof"]):
+        expected = proofs.client_proof(self.secret, self._client_nonce, self._server_nonce)
+        if not proofs.verify(expected, fields["proof"]):
             raise RequestError("wrong proof: the learner does not know the server's secret", code="auth_failed")
         self.state = State.AWAITING_HELLO
-        proof = security.server_proof(self.secret, self._client_nonce, self._server_nonce)
-        await self._reply(MsgType.AUTHENTICATED, {"proof": proof}, frame.meta)
+        proof = proofs.server_proof(self.secret, self._client_nonce, self._server_nonce)
+        yield from self._reply(MsgType.AUTHENTICATED, {"proof": proof}, frame.meta)
 
-    async def _hello(self, frame: Frame) -> None:
+    def _hello(self, frame: Frame) -> Conversation:
         first = self.core.store is None  # the initial weights come with this HELLO
         if first:
             self._check_welcome_fits(frame.meta)
-        self.learner = self.core.register(frame.meta, frame.arrays if first else [], self.conn.peer)
+        self.learner = self.core.register(frame.meta, frame.arrays if first else [], self.link.peer)
         self.state = State.READY
-        self.server.registered(self)
-        await self._reply(MsgType.WELCOME, self.core.welcome(self.learner), frame.meta)
+        self.host.registered(self)
+        yield from self._reply(MsgType.WELCOME, self.core.welcome(self.learner), frame.meta)
 
     def _check_welcome_fits(self, meta: dict[str, Any]) -> None:
         """Refuse (``bad_layout``) a first HELLO whose layout and groups, which every WELCOME
@@ -343,7 +440,7 @@ class Session:
         fields = schema.check(MsgType.HELLO, meta)
         groups = [[g[0], float(g[1]), float(g[2])] for g in fields.get("groups") or ()]  # as ParamGroup has them
         size = len(msgpack.packb([fields["layout"], groups], use_bin_type=True))
-        room = self.server.limits.max_meta - WELCOME_RESERVE
+        room = self.host.limits.max_meta - WELCOME_RESERVE
         if size > room:
             raise RequestError(
                 f"the layout and groups take {size} bytes in a WELCOME, whose metadata has room for {room}",
@@ -356,29 +453,38 @@ class Session:
         self._deadline_in(0, "push_not_written")
         self.core.written(learner)
 
-    async def _bye(self, frame: Frame) -> None:
+    def _bye(self, frame: Frame) -> Conversation:
         self._fields(frame)
         self.said_bye = True
-        await self._reply(MsgType.BYE, {}, frame.meta)
+        yield from self._reply(MsgType.BYE, {}, frame.meta)
         self.state = State.CLOSED
 
-    async def _push(self, frame: Frame) -> None:
+    def _push(self, frame: Frame, at_once: bool = False) -> Conversation:
+        """A gradient: measured (large ones off the loop, as they are written), decided by
+        the core, then answered — ACK, or with ``pull`` the weights — once the protocol lets
+        the reply go. ``at_once``: driven by :meth:`express`, where a protocol that made its
+        pusher wait or held the gradient broke its ``answers_at_once`` promise."""
         learner = self._learner()
         if frame.written is not None:  # the learner still writes the gradient: for at most the idle timeout
-            self._deadline_in(self.server.config.idle_timeout, "push_not_written")
+            self._deadline_in(self.host.config.idle_timeout, "push_not_written")
             self.core.writing(learner)
         try:
-            size = await self.server.measure(learner, frame, functools.partial(self._push_written, learner))
+            size: GradientSize | None = yield Measure(learner, frame, lambda: self._push_written(learner))
         finally:  # written, or never will be
             self.core.not_written(learner)
             self._deadline_in(0, "push_not_written")
         if size is not None:  # a large model: an update may be in flight; deciding one must not wait for it on the loop
-            await self.server.updates_computed()
+            yield AwaitUpdates()
         pending = self.core.push(learner, frame.meta, frame, size)  # the core checks the fields and takes the frame
+        if at_once and (pending.wait_applied or not pending.settled):
+            raise RudraError(
+                f"protocol {self.core.protocol.name!r} declares answers_at_once but held a gradient or made "
+                "its pusher wait (a subclass that waits must set answers_at_once = False)"
+            )
         if pending.wait_applied:
-            await self.server.wait_until(lambda: pending.settled, self.conn, learner.learner_id)
+            yield WaitUntil(lambda: pending.settled, learner.learner_id)
         if frame.meta.get("pull") is True:
-            await self._send_weights(frame.meta, newer_than=-1)
+            yield from self._send_weights(frame.meta, newer_than=-1)
         elif pending.outcome == "refused":
             raise RequestError(pending.refusal, code=pending.refusal_code)
         else:
@@ -388,14 +494,14 @@ class Session:
                 "staleness": pending.staleness,
                 "stop": self.core.stopped,
             }
-            await self._reply(MsgType.ACK, ack, frame.meta)
+            yield from self._reply(MsgType.ACK, ack, frame.meta)
 
-    async def _pull(self, frame: Frame) -> None:
-        await self._send_weights(frame.meta, newer_than=self._fields(frame)["newer_than"], parked=True)
+    def _pull(self, frame: Frame) -> Conversation:
+        yield from self._send_weights(frame.meta, newer_than=self._fields(frame)["newer_than"], parked=True)
 
-    async def _state(self, frame: Frame) -> None:
+    def _state(self, frame: Frame) -> Conversation:
         values = self.core.receive_state(self._learner(), frame.meta, frame.arrays)
-        await self._reply(MsgType.STATE, {"tensors": len(values)}, frame.meta, values)
+        yield from self._reply(MsgType.STATE, {"tensors": len(values)}, frame.meta, values)
 
     # -- replies ------------------------------------------------------------------------------
     def _fields(self, frame: Frame) -> dict[str, Any]:
@@ -406,25 +512,23 @@ class Session:
         assert self.learner is not None, "READY implies a registered learner"
         return self.learner
 
-    async def _send_weights(self, request: dict[str, Any], newer_than: int, parked: bool = False) -> None:
+    def _send_weights(self, request: dict[str, Any], newer_than: int, parked: bool = False) -> Conversation:
         """WEIGHTS once the protocol lets this learner have newer weights than ``newer_than``
         (``parked``: a bare PULL, whose wait does not keep its learner from being evicted)."""
         learner, core = self._learner(), self.core
-        await self.server.wait_until(
-            lambda: core.pull_ready(learner.learner_id, newer_than), self.conn, learner.learner_id, parked=parked
-        )
+        yield WaitUntil(lambda: core.pull_ready(learner.learner_id, newer_than), learner.learner_id, parked)
         store = core.store
         assert store is not None, "READY implies weights"
         # A reply sent while its update is computed leases the weights at once. While another
         # learner's request is in progress, whose update would then need a spare buffer and a
         # copy of the weights, the reply waits for the update instead.
-        computing = self.conn.sends_computing(4 * store.layout.size) and core.alone(learner)
+        computing = self.link.sends_computing(4 * store.layout.size) and core.alone(learner)
         if not computing:
-            await self.server.updates_computed()
+            yield AwaitUpdates()
         with store.lease_computing() as (clock, weights, progress):
             # after the wait the update is computed (if not yet reaped, its progress is complete)
             gate = progress if computing else None
-            sent = await self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
+            sent = yield from self._reply(MsgType.WEIGHTS, self._weights_meta(clock), request, [weights], gate)
         if sent:  # counted once sent (deciding on it may apply an update: not while one is computed)
             core.pulled(learner, clock)
 
@@ -432,35 +536,31 @@ class Session:
         """The metadata of a WEIGHTS reply carrying the weights of ``clock``."""
         return {"timestamp": clock, "stop": self.core.stopped, "learners": self.core.learner_count()}
 
-    async def _reply(
+    def _reply(
         self,
         msg_type: MsgType,
         meta: dict[str, Any],
         request: dict[str, Any],
         arrays: Sequence[np.ndarray] = (),
         gate: Gate | None = None,
-    ) -> bool:
+    ) -> Generator[Action, Any, bool]:
         """Send the reply to ``request`` (see :meth:`_send`)."""
-        return await self._send(msg_type, _answering(meta, request), arrays, gate)
+        return (yield from self._send(msg_type, _answering(meta, request), arrays, gate))
 
-    async def _send(
+    def _send(
         self, msg_type: MsgType, meta: dict[str, Any], arrays: Sequence[np.ndarray] = (), gate: Gate | None = None
-    ) -> bool:
+    ) -> Generator[Action, Any, bool]:
         """Send with a deadline: a peer that does not read its reply is closed after the idle
-        timeout. With a ``gate``, the body is still being computed (``Connection.send_computing``).
-        True once sent; False for a frame that cannot be encoded (FrameTooLarge: nothing of it
-        went out), answered instead with an ERROR ``reply_too_large`` without ``seq``, so
-        the request still gets its one reply."""
+        timeout. True once sent; False for a frame that cannot be encoded (FrameTooLarge:
+        nothing of it went out), answered instead with an ERROR ``reply_too_large`` without
+        ``seq``, so the request still gets its one reply."""
         if self.state is State.READY:
-            self._deadline_in(self.server.config.idle_timeout, "reply_not_read")
+            self._deadline_in(self.host.config.idle_timeout, "reply_not_read")
         try:
             try:
-                if gate is None:
-                    await self.conn.send(msg_type, meta, arrays)
-                else:
-                    await self.conn.send_computing(msg_type, meta, arrays, gate)
+                yield Send(msg_type, meta, arrays, gate)
             except FrameTooLarge as exc:
-                await self.conn.send(MsgType.ERROR, self._unencodable(msg_type, exc))
+                yield Send(MsgType.ERROR, self._unencodable(msg_type, exc))
                 return False
             return True
         finally:
@@ -470,7 +570,7 @@ class Session:
         """Count and log a reply that could not be encoded; the ERROR (without ``seq``) to send
         instead. (A request within docs/wire.md's limits never gets one: a safeguard.)"""
         message = f"the {msg_type.name} reply could not be sent: {exc}"
-        self.server.refused("reply_too_large", f"to {self.conn.peer} ({self._who()}): {message}")
+        self.host.refused("reply_too_large", f"to {self.link.peer} ({self._who()}): {message}")
         return {"code": "reply_too_large", "message": message, "fatal": False}
 
     def _who(self) -> str:
@@ -480,24 +580,24 @@ class Session:
         """Close the connection (counted as ``code``) unless the deadline is cleared within
         ``seconds``; 0 clears a deadline of ``code``, if that is the one set."""
         if seconds:
-            self.deadline, self.deadline_code = self.server.now() + seconds, code
+            self.deadline, self.deadline_code = self.host.now() + seconds, code
         elif self.deadline_code == code:
             self.deadline = None
 
-    async def _refuse(self, code: str, message: str, *, fatal: bool, request: dict[str, Any]) -> None:
+    def _refuse(self, code: str, message: str, *, fatal: bool, request: dict[str, Any]) -> Conversation:
         """Count, log and answer a refused request; a fatal refusal ends the session. The
         ERROR echoes the ``seq`` of ``request`` (whatever its value, nil included) where it
         has one that fits (:func:`schema.seq_fits`); ``{}`` for a frame whose metadata is unknown."""
         if len(message) > MESSAGE_MAX:  # it fits in an ERROR frame and a log line, whatever it quotes
             message = message[: MESSAGE_MAX - 3] + "..."
-        self.server.refused(code, f"input from {self.conn.peer} ({self._who()}): {message}")
+        self.host.refused(code, f"input from {self.link.peer} ({self._who()}): {message}")
         meta: dict[str, Any] = {"code": code, "message": message, "fatal": fatal}
         if schema.seq_fits(request):
             _answering(meta, request)
         if fatal:
             self.state = State.CLOSED
         try:
-            await self._send(MsgType.ERROR, meta)
+            yield from self._send(MsgType.ERROR, meta)
         except RudraError:
             pass
 

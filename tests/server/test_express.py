@@ -1,4 +1,4 @@
-"""A small push+pull answered from the transport's callback (``Session.express``): the same
+"""A small push+pull answered from the transport's callback (``SessionShell.express``): the same
 replies, accounting and order as the queued path, declined whenever it cannot answer at once."""
 
 import asyncio
@@ -12,23 +12,23 @@ from rudra_async import RemoteError, RudraError
 from rudra_async.client import Client
 from rudra_async.layout import Shard
 from rudra_async.server import session as session_module
-from rudra_async.server.session import Session
+from rudra_async.server.shell import SessionShell
 from rudra_async.sync import Softsync
 from rudra_async.wire import FrameReader, MsgType, encode_frame
 
 
 @pytest.fixture
 def answered(monkeypatch):
-    """Counts the frames ``Session.express`` answered (True) and declined (False)."""
+    """Counts the frames ``SessionShell.express`` answered (True) and declined (False)."""
     counts = {True: 0, False: 0}
-    express = Session.express
+    express = SessionShell.express
 
     def counting(self, frame):
         took = express(self, frame)
         counts[took] += 1
         return took
 
-    monkeypatch.setattr(Session, "express", counting)
+    monkeypatch.setattr(SessionShell, "express", counting)
     return counts
 
 

@@ -8,7 +8,8 @@ import numpy as np
 from helpers import initial_weights, run_server, small_layout
 
 from rudra_async.client import Client
-from rudra_async.server import session
+from rudra_async.server import shell
+from rudra_async.server.session import Send
 from rudra_async.wire import MsgType
 
 
@@ -23,15 +24,17 @@ async def test_a_gradient_computed_on_weights_that_were_on_their_way_keeps_the_b
         a = await Client.connect(ps.addresses[0], layout, w0, name="a")
         b = await Client.connect(ps.addresses[0], layout, w0, name="b")
         w_b = await b.pull()
-        on_the_way, reply = asyncio.Event(), session.Session._reply
+        on_the_way, perform = asyncio.Event(), shell.SessionShell.perform
 
-        async def slow_reply(self, msg_type, meta, request, arrays=(), gate=None):
-            if msg_type == MsgType.WEIGHTS and self.learner is not None and self.learner.name == "a":
+        async def slow_reply(self, action):
+            learner = self.session.learner
+            weights = isinstance(action, Send) and action.msg_type == MsgType.WEIGHTS
+            if weights and learner is not None and learner.name == "a":
                 on_the_way.set()
                 await asyncio.sleep(0.3)  # a slow link: the weights reach A later
-            return await reply(self, msg_type, meta, request, arrays, gate)
+            return await perform(self, action)
 
-        monkeypatch.setattr(session.Session, "_reply", slow_reply)
+        monkeypatch.setattr(shell.SessionShell, "perform", slow_reply)
         pulling = asyncio.ensure_future(a.pull())
         await on_the_way.wait()
         for stamp in (w_b.timestamp, 1):
