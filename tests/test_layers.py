@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("monitor", ["monitor"]),
     (
         "server shell",
-        ["server.parameter_server", "server.shell", "server.written", "server.checkpointer", "server.traffic"],
+        ["server.parameter_server", "server.shell", "server.pipeline", "server.checkpointer", "server.traffic"],
     ),
     ("learner", ["learner", "torch"]),
     ("runs", ["runs", "testing"]),

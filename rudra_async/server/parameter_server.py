@@ -33,14 +33,13 @@ from ..eventloop import outlast
 from ..logs import rate_limited
 from ..transports.base import Connection, Listener, SharedMemory
 from ..transports.stream import close_lingering
-from ..wire import Frame, Limits, MsgType
+from ..wire import Limits, MsgType
 from .checkpointer import Checkpointer
-from .core import GradientSize, LearnerInfo, ServerCore, learner_extra
+from .core import ServerCore, learner_extra
+from .pipeline import UpdatePipeline
 from .session import Budget, Session
 from .shell import SessionShell
-from .store import Background, off_loop
 from .traffic import Traffic
-from .written import max_abs_as_written, until_written
 
 if TYPE_CHECKING:
     from ..monitor import Monitor
@@ -90,8 +89,8 @@ class ParameterServer:
         #: where checkpoints go: ``--checkpoint`` with ``{shard}`` made this shard's index
         self.checkpoint_path = checkpoint.shard_path(cfg.checkpoint, cfg.shard, required=False)
         self.checkpointer = Checkpointer(self.checkpoint_path, cfg.checkpoint_every, self.checkpoint)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._background = Background(self._wake)  # validates and applies large gradients off the loop
+        #: the way of every pushed gradient to the weights: threads, measuring, reaping
+        self.pipeline = UpdatePipeline(cfg)
         self.core = ServerCore(
             cfg,
             initial=initial,
@@ -100,8 +99,9 @@ class ParameterServer:
             on_update=self.checkpointer.after_update,
             on_failure=self._failed,
             now=now,
-            background=self._background,
+            background=self.pipeline.background,
         )
+        self.pipeline.bind(self.core)
         self._checkpointing = asyncio.Lock()  # checkpoints are written one at a time, in order
         resume = checkpoint.shard_path(cfg.resume, cfg.shard, required=False)
         if resume is not None:
@@ -112,7 +112,6 @@ class ParameterServer:
         self._initialized: asyncio.Event | None = None
         self._changed = asyncio.Event()
         self._blocked: set[int] = set()
-        self._store_closed = False
         self._shutdown: asyncio.Future[None] | None = None
         self.closing_reason = ""  # why the server is shutting down (told to learners)
         #: what every connection bringing initial weights (a HELLO before the model exists) may hold at once
@@ -148,7 +147,7 @@ class ParameterServer:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Bind every listen address; raises ConnectError at once if one cannot be bound."""
-        self._loop = asyncio.get_running_loop()
+        self.pipeline.start()
         self._closed = asyncio.Event()
         self._initialized = asyncio.Event()
         if self.core.store is not None:
@@ -167,7 +166,7 @@ class ParameterServer:
             await self.close()
             raise
         self._watchdog = asyncio.ensure_future(self._watch())
-        eventloop.serving(self._loop, True)
+        eventloop.serving(asyncio.get_running_loop(), True)
         log.info("parameter server listening on %s (%s)", ", ".join(self.addresses), self.core.protocol.describe())
 
     async def serve(self) -> None:
@@ -224,9 +223,7 @@ class ParameterServer:
             if self.failure is not None and self.checkpoint_path:
                 log.error("the final checkpoint is not written: the weights are undefined (%s)", self.failure)
         finally:
-            self._store_closed = True
-            self.core.close()
-            self._background.close()
+            self.pipeline.close()
 
     async def __aenter__(self) -> ParameterServer:
         await self.start()
@@ -295,9 +292,9 @@ class ParameterServer:
             raise ConfigError("no checkpoint path: pass one or configure --checkpoint")
         async with self._checkpointing:
             store = self.core.store
-            if store is None or self._store_closed:
+            if store is None or self.pipeline.closed:
                 raise RudraError("the server has no weights to checkpoint", code="no_weights")
-            await self.updates_computed()
+            await self.pipeline.updates_computed()
             keep = self.config.checkpoint_keep if target == self.checkpoint_path else 1
             with store.lease() as (clock, weights):
                 saving = asyncio.ensure_future(
@@ -312,65 +309,6 @@ class ParameterServer:
         self.checkpointer.on_disk(target, clock)
         log.info("checkpoint of update %d written to %s", clock, target)
         return clock
-
-    # -- the update thread --------------------------------------------------------------------
-    async def measure(
-        self, learner: LearnerInfo, frame: Frame, on_written: Callable[[], None] = lambda: None
-    ) -> GradientSize | None:
-        """Check a PUSH and measure its gradient on the check thread, if it is large (the loop
-        and the update in flight go on meanwhile); None for a small one, which the core
-        measures inline. A gradient its learner still writes (``frame.written``) is measured
-        piece by piece as it is written while no other learner has a request in progress
-        (``ServerCore.alone``: otherwise the cores are busy anyway, and the pieces' hand-offs
-        cost 2–4% of the updates per second at λ = 2 and 4); one that is small, whose norm
-        is bounded, or whose learner is not alone, once all of it is written. Either way the
-        whole body is written when this returns, and ``on_written()`` was called as soon as
-        it was (before its measure ends; at once for a frame that came whole)."""
-        large = off_loop(frame.body.nbytes // 4)
-        piecewise = (
-            frame.written is not None and large and self.config.max_grad_norm is None and self.core.alone(learner)
-        )
-        if not piecewise:  # as if it had come whole
-            await until_written(frame)
-            on_written()
-        if not large:
-            return None
-        _, grad = self.core.check_push(learner, frame.meta, frame)
-        if piecewise:
-            check = functools.partial(self._background.check, self.core.max_abs)
-            return GradientSize(await max_abs_as_written(frame, grad, check, on_written))
-        size: GradientSize = await asyncio.wrap_future(self._background.check(self.core.measure, grad))
-        return size
-
-    async def updates_computed(self) -> None:
-        """Return once every decided update is computed (waiting without blocking the loop).
-
-        An update decided while this waited is waited for too, so a caller that reads the
-        weights right after this returns (no ``await`` in between) never blocks the loop on
-        the update thread. Raises :class:`UpdateFailed` if one failed."""
-        store = self.core.store
-        while store is not None and (job := store.in_flight) is not None and not job.done():
-            try:  # shielded: cancelling this wait must not cancel an update that is still queued
-                await asyncio.shield(asyncio.wrap_future(job))
-            except Exception:
-                store.finish()  # raises it as UpdateFailed, the store's failure from now on
-                raise
-
-    def _wake(self) -> None:
-        """Called on the update thread after each update: reap it on the loop (its gradients'
-        buffers go back to their transports)."""
-        loop = self._loop
-        try:
-            if loop is not None:
-                loop.call_soon_threadsafe(self._reap)
-        except RuntimeError:  # the loop is closed: close() has reaped everything already
-            pass
-
-    def _reap(self) -> None:
-        store = self.core.store
-        if store is not None and not self._store_closed:
-            with contextlib.suppress(UpdateFailed):  # the server stops: _failed
-                store.reap()
 
     def _failed(self, failure: UpdateFailed) -> None:
         """An update failed (the store says so once, whoever met it): the weights are

@@ -66,6 +66,11 @@ class UpdatePipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the weights are given back)."""
+        return self._closed
+
     def bind(self, core: ServerCore) -> None:
         self._core = core
 

@@ -41,6 +41,7 @@ from ..config import ServerConfig
 from ..errors import FrameTooLarge, RequestError, RudraError, WireError
 from ..wire import Frame, Header, Limits, MsgType
 from .core import GradientSize, LearnerInfo, ServerCore
+from .store import off_loop
 
 if TYPE_CHECKING:
     from ..transports.offload import Gate
@@ -91,7 +92,8 @@ class Send:
 class Measure:
     """Wait until the push's gradient is all written (calling ``on_written`` as soon as it
     is), and measure a large one off the event loop. Result: its :class:`GradientSize`, or
-    None for a small one (the core measures it inline). Thrown in: the connection's loss."""
+    None for a small one (the core measures it inline). Thrown in: the connection's loss.
+    (A small gradient that came whole is not sent here: the core measures it at once.)"""
 
     learner: LearnerInfo
     frame: Frame
@@ -465,14 +467,18 @@ class Session:
         the reply go. ``at_once``: driven by :meth:`express`, where a protocol that made its
         pusher wait or held the gradient broke its ``answers_at_once`` promise."""
         learner = self._learner()
+        size: GradientSize | None = None  # a small gradient that came whole: the core measures it
         if frame.written is not None:  # the learner still writes the gradient: for at most the idle timeout
             self._deadline_in(self.host.config.idle_timeout, "push_not_written")
             self.core.writing(learner)
-        try:
-            size: GradientSize | None = yield Measure(learner, frame, lambda: self._push_written(learner))
-        finally:  # written, or never will be
-            self.core.not_written(learner)
-            self._deadline_in(0, "push_not_written")
+        if frame.written is None and not off_loop(frame.body.nbytes // 4):
+            self._push_written(learner)
+        else:
+            try:
+                size = yield Measure(learner, frame, lambda: self._push_written(learner))
+            finally:  # written, or never will be
+                self.core.not_written(learner)
+                self._deadline_in(0, "push_not_written")
         if size is not None:  # a large model: an update may be in flight; deciding one must not wait for it on the loop
             yield AwaitUpdates()
         pending = self.core.push(learner, frame.meta, frame, size)  # the core checks the fields and takes the frame

@@ -71,9 +71,9 @@ class SessionShell:
                 await conn.send_computing(action.msg_type, action.meta, action.arrays, action.gate)
             return None
         if isinstance(action, Measure):
-            return await server.measure(action.learner, action.frame, action.on_written)
+            return await server.pipeline.measure(action.learner, action.frame, action.on_written)
         if isinstance(action, AwaitUpdates):
-            await server.updates_computed()
+            await server.pipeline.updates_computed()
             return None
         assert isinstance(action, WaitUntil)
         await server.wait_until(action.ready, conn, action.learner_id, parked=action.parked)
@@ -117,9 +117,8 @@ class SessionShell:
             copies = [a.copy() for a in action.arrays]  # the transport may send them after we return
             self.conn.send_nowait(action.msg_type, action.meta, copies)
             return None
-        if isinstance(action, Measure):  # a small gradient that came whole: the core measures it
-            action.on_written()
-            return None
+        if isinstance(action, Measure):  # a gradient still written, or measured off the loop
+            raise RudraError("a push+pull answered at once would have to wait for its gradient")
         if isinstance(action, AwaitUpdates):  # updates are computed on this thread: none is in flight
             return None
         assert isinstance(action, WaitUntil)

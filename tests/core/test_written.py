@@ -1,4 +1,4 @@
-"""Reading a pushed gradient while its learner writes it (rudra_async.server.written)."""
+"""Reading a pushed gradient while its learner writes it (rudra_async.server.pipeline)."""
 
 import asyncio
 import threading
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rudra_async.errors import PeerGone
-from rudra_async.server import written
+from rudra_async.server import pipeline as written
 from rudra_async.wire import Frame
 
 
@@ -33,7 +33,7 @@ def checks():
 
 
 async def test_a_push_counts_as_written_once_its_last_byte_is_before_its_check_ends(monkeypatch, checks):
-    monkeypatch.setattr(written, "PIECE_VALUES", 100)
+    monkeypatch.setattr(written, "WRITTEN_PIECE_VALUES", 100)
     grad = np.arange(400, dtype=np.float32) - 300
     frame, progress = frame_being_written(grad)
     release = threading.Event()
@@ -63,7 +63,7 @@ async def test_a_push_counts_as_written_once_its_last_byte_is_before_its_check_e
 
 
 async def test_the_pieces_of_a_push_whose_learner_goes_away_are_not_checked(monkeypatch, checks):
-    monkeypatch.setattr(written, "PIECE_VALUES", 100)
+    monkeypatch.setattr(written, "WRITTEN_PIECE_VALUES", 100)
     grad = np.ones(1000, dtype=np.float32)
     frame, progress = frame_being_written(grad)
     release = threading.Event()

@@ -113,10 +113,10 @@ async def test_a_cancelled_wait_does_not_cancel_a_queued_update(off_loop):
     await ps.start()
     try:
         blocker = threading.Event()
-        ps._background.submit(blocker.wait, 10)  # the update queues behind this job
+        ps.pipeline.background.submit(blocker.wait, 10)  # the update queues behind this job
         ws = ps.core.store
         ws.apply([np.ones(N, np.float32)], [1.0], SGD(0.5))
-        waiter = asyncio.ensure_future(ps.updates_computed())
+        waiter = asyncio.ensure_future(ps.pipeline.updates_computed())
         await asyncio.sleep(0.05)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -146,13 +146,13 @@ async def test_a_reader_waits_on_the_loop_for_updates_decided_while_it_waited(of
     try:
         first, second = threading.Event(), threading.Event()
         ws = ps.core.store
-        ps._background.submit(first.wait, 10)  # update 1 queues behind this job
+        ps.pipeline.background.submit(first.wait, 10)  # update 1 queues behind this job
         ws.apply([np.ones(N, np.float32)], [1.0], SGD(0.5))
-        waiter = asyncio.ensure_future(ps.updates_computed())
+        waiter = asyncio.ensure_future(ps.pipeline.updates_computed())
         await asyncio.sleep(0.02)
         timer = threading.Timer(0.05, first.set)
         timer.start()
-        ps._background.submit(second.wait, 10)  # update 2 will queue behind this one
+        ps.pipeline.background.submit(second.wait, 10)  # update 2 will queue behind this one
         ws.apply([np.ones(N, np.float32)], [1.0], SGD(0.5))  # decided as soon as update 1 is computed
         timer.join()
         await asyncio.sleep(0.05)  # the waiter has seen update 1 computed
@@ -207,7 +207,7 @@ async def test_a_push_that_arrives_during_an_update_is_checked_and_never_blocks_
     g = np.ones(N, np.float32)
     try:
         if arrival == "together":
-            ps._background.check(blocker.wait, 10)  # both checks queue behind this job
+            ps.pipeline.background.check(blocker.wait, 10)  # both checks queue behind this job
             pushes = [asyncio.ensure_future(c.push(g, 0)) for c in (a, b)]
             await asyncio.sleep(0.1)
             blocker.set()  # check 1, check 2, update 1 (held) ... then update 2 is decided
@@ -410,8 +410,8 @@ async def test_a_reply_that_waited_for_its_update_goes_out_whole_even_before_the
     layout = Layout.from_shapes([("w", (n,))])
     async with run_server(listen=[scheme + ("" if scheme == "shm://" else "reap")], lr=0.5, momentum=0.0) as ps:
         loop = asyncio.get_running_loop()
-        reap = ps._reap
-        ps._background.wake = lambda: loop.call_soon_threadsafe(loop.call_later, 0.3, reap)  # a busy loop
+        reap = ps.pipeline.reap
+        ps.pipeline.background.wake = lambda: loop.call_soon_threadsafe(loop.call_later, 0.3, reap)  # a busy loop
         a = await Client.connect(ps.addresses[0], layout, np.zeros(n, np.float32))
         b = await Client.connect(ps.addresses[0], layout)
         await a.push(np.ones(n, np.float32), 0)

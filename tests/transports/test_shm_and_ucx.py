@@ -25,7 +25,7 @@ from rudra_async.errors import PeerGone, RemoteError, UpdateFailed
 from rudra_async.eventloop import run_sync
 from rudra_async.kernels import SGD, numpy_kernel
 from rudra_async.layout import Layout
-from rudra_async.server import store, written
+from rudra_async.server import pipeline, store
 from rudra_async.server.core import ServerCore
 from rudra_async.transports import shm
 from rudra_async.wire import MsgType
@@ -605,7 +605,7 @@ def write_ahead(monkeypatch, piece_s: float = 0.002) -> list[float]:
     time, off the loop; the list gets the time of each piece the server checks."""
     monkeypatch.setattr(shm.segments, "WRITE_AHEAD_MIN", 1 << 16)
     monkeypatch.setattr(shm.segments, "WRITE_PIECE", 1 << 14)
-    monkeypatch.setattr(written, "PIECE_VALUES", 4096)
+    monkeypatch.setattr(pipeline, "WRITTEN_PIECE_VALUES", 4096)
     monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
 
     class SlowFence:  # taken after each piece is copied
