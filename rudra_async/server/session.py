@@ -107,8 +107,8 @@ class AwaitUpdates:
 
 @dataclass(frozen=True, eq=False)
 class WaitUntil:
-    """Wait until ``ready()`` (re-checked whenever the server's state changes), the run stops
-    or the server closes. ``parked``: a bare PULL's wait, which is no request in progress.
+    """Wait until ``ready()``, which is False now (re-checked whenever the server's state
+    changes), the run stops or the server closes. ``parked``: a bare PULL's wait, which is no request in progress.
     Result: None. Thrown in: the connection's loss."""
 
     ready: Callable[[], bool]
@@ -487,7 +487,7 @@ class Session:
                 f"protocol {self.core.protocol.name!r} declares answers_at_once but held a gradient or made "
                 "its pusher wait (a subclass that waits must set answers_at_once = False)"
             )
-        if pending.wait_applied:
+        if pending.wait_applied and not pending.settled:
             yield WaitUntil(lambda: pending.settled, learner.learner_id)
         if frame.meta.get("pull") is True:
             yield from self._send_weights(frame.meta, newer_than=-1)
@@ -522,7 +522,8 @@ class Session:
         """WEIGHTS once the protocol lets this learner have newer weights than ``newer_than``
         (``parked``: a bare PULL, whose wait does not keep its learner from being evicted)."""
         learner, core = self._learner(), self.core
-        yield WaitUntil(lambda: core.pull_ready(learner.learner_id, newer_than), learner.learner_id, parked)
+        if not core.pull_ready(learner.learner_id, newer_than):
+            yield WaitUntil(lambda: core.pull_ready(learner.learner_id, newer_than), learner.learner_id, parked)
         store = core.store
         assert store is not None, "READY implies weights"
         # A reply sent while its update is computed leases the weights at once. While another

@@ -121,7 +121,4 @@ class SessionShell:
             raise RudraError("a push+pull answered at once would have to wait for its gradient")
         if isinstance(action, AwaitUpdates):  # updates are computed on this thread: none is in flight
             return None
-        assert isinstance(action, WaitUntil)
-        if not action.ready():
-            raise RudraError("a push+pull answered at once would have to wait for the protocol")
-        return None
+        raise RudraError("a push+pull answered at once would have to wait for the protocol")
