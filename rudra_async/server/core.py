@@ -113,6 +113,17 @@ class GradientSize:
     norm: float | None = None
 
 
+@dataclass(frozen=True)
+class CheckedPush:
+    """A PUSH whose fields and gradient :meth:`ServerCore.check_push` accepted and whose
+    gradient was measured (off the event loop, for a large one): what
+    :meth:`ServerCore.push` would otherwise check and measure itself."""
+
+    fields: dict[str, Any]
+    grad: np.ndarray
+    size: GradientSize
+
+
 @dataclass(eq=False)
 class PendingGradient:
     """A pushed gradient from its acceptance until its update; ``frame`` holds its bytes and
@@ -536,9 +547,12 @@ class ServerCore:
         stamp = fields["timestamp"]
         if not 0 <= stamp <= store.clock:
             raise RequestError(f"timestamp {stamp} is outside [0, {store.clock}]", code="bad_timestamp")
+        self._check_running()
+        return fields, gradient_of(frame, store.layout.size)
+
+    def _check_running(self) -> None:
         if self.stopped:
             raise RequestError(f"the run is over ({self.config.max_updates} updates)", code="stopped")
-        return fields, gradient_of(frame, store.layout.size)
 
     def measure(self, grad: np.ndarray) -> GradientSize:
         """What the push rules need to know of a gradient's values (reads it once or twice,
@@ -556,16 +570,22 @@ class ServerCore:
         return self._need_store().updater.max_abs(grad)
 
     def push(
-        self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame, size: GradientSize | None = None
+        self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame, checked: CheckedPush | None = None
     ) -> PendingGradient:
         """Validate a PUSH and hand its gradient to the protocol. The core keeps the frame
-        until the gradient is applied or dropped (then releases it). ``size``: the gradient's
-        :meth:`measure`, if taken already. A refusal (:class:`RequestError`) is raised
+        until the gradient is applied or dropped (then releases it). ``checked``: the push
+        already checked and measured (:meth:`check_push`, :meth:`measure`); of those checks
+        only whether the run is still going is made again (the rest cannot change
+        meanwhile: the clock only grows). A refusal (:class:`RequestError`) is raised
         before anything changes (the frame is not taken)."""
         if learner.reader:
             raise RequestError("this client said hello as a reader: it cannot push", code="read_only")
-        fields, grad = self.check_push(learner, meta, frame)
-        size = size or self.measure(grad)
+        if checked is None:
+            fields, grad = self.check_push(learner, meta, frame)
+            size = self.measure(grad)
+        else:
+            fields, grad, size = checked.fields, checked.grad, checked.size
+            self._check_running()
         if not math.isfinite(size.max_abs):
             raise RequestError("gradient contains NaN or infinity", code="bad_gradient")
         bound = self.config.max_grad_norm

@@ -45,7 +45,7 @@ import numpy as np
 from ..config import ServerConfig
 from ..errors import UpdateFailed
 from ..wire import Frame
-from .core import GradientSize, LearnerInfo, ServerCore
+from .core import CheckedPush, GradientSize, LearnerInfo, ServerCore
 from .store import Background, off_loop
 
 #: how often the loop looks at how much of a gradient is written
@@ -86,10 +86,10 @@ class UpdatePipeline:
     # -- ARRIVING -> MEASURED -------------------------------------------------------------
     async def measure(
         self, learner: LearnerInfo, frame: Frame, on_written: Callable[[], None] = lambda: None
-    ) -> GradientSize | None:
+    ) -> CheckedPush | None:
         """Check a PUSH and measure its gradient on the check thread, if it is large (the loop
-        and the update in flight go on meanwhile); None for a small one, which the core
-        measures inline. A gradient its learner still writes (``frame.written``) is measured
+        and the update in flight go on meanwhile), checked once (:class:`CheckedPush`); None
+        for a small one, which the core checks and measures inline. A gradient its learner still writes (``frame.written``) is measured
         piece by piece as it is written while no other learner has a request in progress
         (``ServerCore.alone``: otherwise the cores are busy anyway, and the pieces' hand-offs
         cost 2–4% of the updates per second at λ = 2 and 4); one that is small, whose norm
@@ -104,12 +104,13 @@ class UpdatePipeline:
             on_written()
         if not large:
             return None
-        _, grad = core.check_push(learner, frame.meta, frame)
+        fields, grad = core.check_push(learner, frame.meta, frame)
         if piecewise:
             check = functools.partial(self.background.check, core.max_abs)
-            return GradientSize(await max_abs_as_written(frame, grad, check, on_written))
-        size: GradientSize = await asyncio.wrap_future(self.background.check(core.measure, grad))
-        return size
+            size = GradientSize(await max_abs_as_written(frame, grad, check, on_written))
+        else:
+            size = await asyncio.wrap_future(self.background.check(core.measure, grad))
+        return CheckedPush(fields, grad, size)
 
     # -- COMPUTING -> APPLIED ---------------------------------------------------------------
     async def updates_computed(self) -> None:

@@ -40,7 +40,7 @@ from .. import proofs, schema
 from ..config import ServerConfig
 from ..errors import FrameTooLarge, RequestError, RudraError, WireError
 from ..wire import Frame, Header, Limits, MsgType
-from .core import GradientSize, LearnerInfo, ServerCore
+from .core import CheckedPush, LearnerInfo, ServerCore
 from .store import off_loop
 
 if TYPE_CHECKING:
@@ -91,8 +91,8 @@ class Send:
 @dataclass(frozen=True, eq=False)
 class Measure:
     """Wait until the push's gradient is all written (calling ``on_written`` as soon as it
-    is), and measure a large one off the event loop. Result: its :class:`GradientSize`, or
-    None for a small one (the core measures it inline). Thrown in: the connection's loss.
+    is), and check and measure a large one off the event loop. Result: a
+    :class:`CheckedPush`, or None for a small one (the core checks and measures it inline). Thrown in: the connection's loss.
     (A small gradient that came whole is not sent here: the core measures it at once.)"""
 
     learner: LearnerInfo
@@ -467,7 +467,7 @@ class Session:
         the reply go. ``at_once``: driven by :meth:`express`, where a protocol that made its
         pusher wait or held the gradient broke its ``answers_at_once`` promise."""
         learner = self._learner()
-        size: GradientSize | None = None  # a small gradient that came whole: the core measures it
+        checked: CheckedPush | None = None  # a small gradient that came whole: the core measures it
         if frame.written is not None:  # the learner still writes the gradient: for at most the idle timeout
             self._deadline_in(self.host.config.idle_timeout, "push_not_written")
             self.core.writing(learner)
@@ -475,13 +475,15 @@ class Session:
             self._push_written(learner)
         else:
             try:
-                size = yield Measure(learner, frame, lambda: self._push_written(learner))
+                checked = yield Measure(learner, frame, lambda: self._push_written(learner))
             finally:  # written, or never will be
                 self.core.not_written(learner)
                 self._deadline_in(0, "push_not_written")
-        if size is not None:  # a large model: an update may be in flight; deciding one must not wait for it on the loop
+        if (
+            checked is not None
+        ):  # a large model: an update may be in flight; deciding one must not wait for it on the loop
             yield AwaitUpdates()
-        pending = self.core.push(learner, frame.meta, frame, size)  # the core checks the fields and takes the frame
+        pending = self.core.push(learner, frame.meta, frame, checked)  # the core checks the rest and takes the frame
         if at_once and (pending.wait_applied or not pending.settled):
             raise RudraError(
                 f"protocol {self.core.protocol.name!r} declares answers_at_once but held a gradient or made "
