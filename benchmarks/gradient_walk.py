@@ -3,7 +3,7 @@
 ``sys.setprofile`` (docs/architecture.md, "One gradient, hop by hop").
 
 The default route of that walk: protocol ``async`` over ``shm://``, the torch kernel, a
-model of 20,100 float32 (``nn.Linear(200, 100)``), no secret. The server runs on its own
+model of 20,100 float32 (``nn.Linear(200, 100)``; ``--width``), no secret (``--listen``). The server runs on its own
 event loop in a thread of this process; after ``--warmup`` steps, one step is traced on
 both sides. Printed per side: function entries (a generator or coroutine resumed counts
 again), distinct functions, files, and with ``--list`` each distinct function in order of
@@ -62,9 +62,9 @@ class Trace:
         }
 
 
-def serve(ready: threading.Event, holder: dict[str, Any]) -> None:
+def serve(ready: threading.Event, holder: dict[str, Any], listen: str) -> None:
     async def main() -> None:
-        config = ServerConfig(listen=["shm://"], protocol="async", kernel="torch", lr=0.01, momentum=0.9)
+        config = ServerConfig(listen=[listen], protocol="async", kernel="torch", lr=0.01, momentum=0.9)
         async with ParameterServer(config) as ps:
             holder["ps"], holder["loop"] = ps, asyncio.get_running_loop()
             ready.set()
@@ -78,18 +78,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--list", action="store_true", help="print each side's functions in order")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--listen", default="shm://", help="the server's address (default shm://)")
+    parser.add_argument("--width", type=int, default=200, help="the model: nn.Linear(width, width // 2)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ready, holder = threading.Event(), {}
-    server = threading.Thread(target=serve, args=(ready, holder), daemon=True)
+    server = threading.Thread(target=serve, args=(ready, holder, args.listen), daemon=True)
     server.start()
     if not ready.wait(30):
         sys.exit("the server did not start")
     ps, loop = holder["ps"], holder["loop"]
     torch.manual_seed(0)
-    model = nn.Linear(200, 100)
+    model = nn.Linear(args.width, args.width // 2)
     opt = DistributedOptimizer(model, ps.addresses[0], torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    x, y = torch.randn(16, 200), torch.randn(16, 100)
+    x, y = torch.randn(16, args.width), torch.randn(16, args.width // 2)
 
     def step() -> None:
         model.zero_grad()

@@ -38,7 +38,6 @@ from .errors import (
 from .eventloop import PrivateLoop, run_sync, serving_here
 from .layout import Layout, Shard
 from .model_state import StateLayout
-from .transports.blocking import BlockingConnection
 from .wire import DEFAULT_TIMEOUT, Allocator, Frame, Limits, MsgType
 
 __all__ = [
@@ -143,20 +142,11 @@ class Channel(Protocol):
 
     async def recv(self) -> Frame: ...
 
+    async def within(self, operation: Awaitable[T], timeout: float) -> T:
+        """``operation`` with a deadline (asyncio's, or a blocking socket's timeout); TimeoutError past it."""
+        ...
+
     def close(self) -> None: ...
-
-
-async def _within(conn: Channel, operation: Awaitable[T], timeout: float) -> T:
-    """``operation`` on ``conn`` with a deadline: asyncio's, or on a blocking channel (driven
-    without an event loop) its socket timeout, set meanwhile. Raises TimeoutError."""
-    if not isinstance(conn, BlockingConnection):
-        return await asyncio.wait_for(operation, timeout)
-    before = conn.gettimeout()
-    conn.settimeout(timeout)
-    try:
-        return await operation
-    finally:
-        conn.settimeout(before)
 
 
 class Client:
@@ -396,7 +386,7 @@ class Client:
         Idempotent."""
         if not self.conn.is_closed:
             try:
-                await _within(self.conn, self._request(MsgType.BYE, {}), BYE_TIMEOUT_S)
+                await self.conn.within(self._request(MsgType.BYE, {}), BYE_TIMEOUT_S)
             except (RudraError, TimeoutError, asyncio.TimeoutError):
                 pass
         self.conn.close()
@@ -444,7 +434,7 @@ async def _exchange(
     except PeerGone:
         pass  # it hung up before this request: why (a full server's ERROR), if it said, is read next
     try:
-        return await _within(conn, conn.recv(), timeout)
+        return await conn.within(conn.recv(), timeout)
     except (TimeoutError, asyncio.TimeoutError):
         raise ConnectError(f"{where} sent no {expected} within {timeout:g} s (is it a rudra-async server?)") from None
     except PeerGone as exc:

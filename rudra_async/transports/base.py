@@ -42,7 +42,9 @@ Contract, for every transport:
   (reconnect).
 
 What :class:`Connection` does for a transport: the life cycle and the inbox. ``recv``,
-``close``, ``is_closed`` and ``wait_lost`` are implemented once, here; a transport
+``close``, ``is_closed`` and ``wait_lost`` are implemented once, here, over an I/O-free
+:class:`~.core.ConnectionCore` (:attr:`Connection.core`, which the blocking connection keeps
+too); a transport
 implements only ``send`` and ``_close_link`` (how its link closes), and reports what
 arrives through the subclass API:
 
@@ -54,7 +56,8 @@ arrives through the subclass API:
 - ``_deliver(frame_or_fatal_error)`` queues a frame in the bounded inbox and wakes
   ``recv`` (a frame that finds the inbox empty is first offered to
   :attr:`Connection.express`); a fatal :class:`~rudra_async.errors.WireError` (then in
-  ``_fatal``) is raised by every later ``recv``, and nothing after it is queued.
+  ``core.fatal``) is raised by every later ``recv`` (until the peer is known to be gone:
+  then once more, and ``PeerGone`` after it), and nothing after it is queued.
   ``_advance(reader, n)`` does this for bytes written into a
   :class:`~rudra_async.wire.FrameReader` (``FrameReader(limits, self._allocate)``
   honours :attr:`Connection.allocator`).
@@ -87,26 +90,26 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import collections
-import copy
 import logging
 import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from ..addresses import format_host_port as format_host_port
 from ..addresses import parse_host_port as parse_host_port
-from ..errors import ConnectionClosed, PeerGone, RudraError, TransportError, WireError
+from ..errors import PeerGone, RudraError, TransportError, WireError
 from ..wire import Admit, Allocator, Frame, FrameReader, Header, Limits
+from .core import ConnectionCore
 
 if TYPE_CHECKING:
     from .blocking import BlockingConnection
     from .offload import Gate
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Connection(abc.ABC):
@@ -130,9 +133,6 @@ class Connection(abc.ABC):
     #: transport's callback: True means it took (and answered) the frame, which is then not
     #: queued; False queues it as usual. A server sets it only while it waits in ``recv``.
     express: Callable[[Frame], bool] | None = None
-    #: bytes received and sent: the frames as they travel (header, metadata, body)
-    bytes_in: int = 0
-    bytes_out: int = 0
     #: the inbox is full at this many unconsumed frames ...
     _inbox_frames: int = 8
     #: ... or this many bytes of unconsumed bodies, whichever comes first (one frame is always taken)
@@ -141,18 +141,14 @@ class Connection(abc.ABC):
     def __init__(self, peer: str = "?") -> None:
         """Needs a running event loop."""
         self.peer = peer
-        self._inbox: collections.deque[Frame | WireError] = collections.deque()
-        self._inbox_nbytes = 0
-        self._arrived = asyncio.Event()  # set when the inbox changed or the connection ended
-        self._room = asyncio.Event()  # set when the inbox has room again or the connection ended
-        self._closed = False
-        self._lost: PeerGone | None = None
-        #: the fatal framing error delivered, after which nothing more is queued
-        self._fatal: WireError | None = None
+        #: the inbox, how the connection ended, the byte counts (no I/O: see :mod:`.core`)
+        self.core = ConnectionCore(self._inbox_frames, self._inbox_bytes)
+        self.__arrived = asyncio.Event()  # set when the inbox changed or the connection ended
+        self.__room = asyncio.Event()  # set when the inbox has room again or the connection ended
         #: close by half-closing and discarding the peer's input for a while (not a reset, which
         #: would destroy a last reply still on its way): after a fatal error, or :meth:`hang_up`
         self._linger = False
-        self._ended = asyncio.get_running_loop().create_future()  # done once closed or lost
+        self.__ended = asyncio.get_running_loop().create_future()  # done once closed or lost
 
     # -- the user API ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -162,33 +158,47 @@ class Connection(abc.ABC):
 
     async def recv(self) -> Frame:
         """The next frame, in order. Raises PeerGone, ConnectionClosed or a fatal WireError
-        (again on every later call)."""
-        while True:
-            if self._closed:
-                raise ConnectionClosed("connection closed locally")
-            if self._inbox:
-                return self._take()
-            if self._lost is not None:
-                raise _fresh(self._lost)
-            self._arrived.clear()
-            await self._arrived.wait()
+        (again on every later call, until the peer is known to be gone: see :mod:`.core`)."""
+        while (frame := self.core.next()) is None:
+            self.__arrived.clear()
+            await self.__arrived.wait()
+        if not self._inbox_full:
+            self.__room.set()
+        self._on_consumed()
+        return frame
+
+    async def within(self, operation: Awaitable[T], timeout: float) -> T:
+        """``operation`` (on this connection) with a deadline of ``timeout`` seconds; TimeoutError past it."""
+        return await asyncio.wait_for(operation, timeout)
+
+    @property
+    def bytes_in(self) -> int:
+        """Bytes received: the frames as they travel (header, metadata, body)."""
+        return self.core.bytes_in
+
+    @bytes_in.setter
+    def bytes_in(self, value: int) -> None:
+        self.core.bytes_in = value
+
+    @property
+    def bytes_out(self) -> int:
+        """Bytes sent, counted as :attr:`bytes_in`."""
+        return self.core.bytes_out
+
+    @bytes_out.setter
+    def bytes_out(self, value: int) -> None:
+        self.core.bytes_out = value
 
     def close(self) -> None:
         """Close this end. Idempotent; never raises."""
-        if self._closed:
+        if not self.core.close():  # first: nothing the link reports while it closes is taken
             return
-        self._closed = True
         # hooks refer back to their owner: no cycle outlives the close
         self.allocator = self.admit = self.express = None
         try:
             self._close_link()
         except Exception:  # the contract: close never raises
             log.debug("closing the link to %s failed", self.peer, exc_info=True)
-        while self._inbox:
-            item = self._inbox.popleft()
-            if isinstance(item, Frame):
-                item.release()
-        self._inbox_nbytes = 0
         self._end()
 
     def tell(self, msg_type: int, meta: dict[str, Any]) -> bool:
@@ -236,7 +246,7 @@ class Connection(abc.ABC):
     @property
     def is_closed(self) -> bool:
         """True after a local close or once the peer is known to be gone."""
-        return self._closed or self._lost is not None
+        return self.core.ended
 
     async def wait_lost(self) -> None:
         """Return once the connection is closed (locally) or lost (peer gone), without reading.
@@ -245,7 +255,7 @@ class Connection(abc.ABC):
         transport notices a lost peer while it reads, so with a full inbox (nobody
         consuming) it may notice only once frames are consumed.
         """
-        await asyncio.shield(self._ended)
+        await asyncio.shield(self.__ended)
 
     # -- the subclass API --------------------------------------------------------------------
     @abc.abstractmethod
@@ -256,37 +266,24 @@ class Connection(abc.ABC):
         """Queue a received frame, or a fatal framing error after which nothing more is
         queued, and wake ``recv``. Never refuses: the transport stops taking frames while
         :attr:`_inbox_full`. Frames arriving after a close or a fatal error are dropped."""
-        if self._closed or self._fatal is not None:
-            if isinstance(item, Frame):
-                item.release()
-            return
-        if isinstance(item, WireError):
-            self._fatal = item
-        elif not self._inbox and self.express is not None and self.express(item):
-            return
-        else:
-            self._inbox_nbytes += item.body.nbytes
-        self._inbox.append(item)
-        self._arrived.set()
+        core = self.core
+        if isinstance(item, Frame) and core.accepting and not core.inbox:
+            express = self.express
+            if express is not None and express(item):
+                return
+        if core.queue(item):
+            self.__arrived.set()
 
     def _advance(self, reader: FrameReader, nbytes: int) -> None:
-        """Report ``nbytes`` written into ``reader.get_buffer()``; deliver the frame it
-        completes, or the fatal error it raises."""
-        self.bytes_in += nbytes
-        try:
-            frames = reader.advance(nbytes)
-        except WireError as exc:
-            for frame in exc.take_finished():
-                self._deliver(frame)
-            self._deliver(exc)
-            return
-        for frame in frames:
-            self._deliver(frame)
+        """Report ``nbytes`` written into ``reader.get_buffer()``; deliver the frames it
+        completes, then the fatal error it raises."""
+        for item in self.core.read(reader, nbytes):
+            self._deliver(item)
 
     def _sending(self, parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
         """Count an encoded frame (``wire.encode_frame``'s or ``encode_messages``' buffers) as
         sent, and return it."""
-        self.bytes_out += sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        self.core.sending(parts)
         return parts
 
     def _allocate(self, msg_type: int, meta: dict[str, Any], nbytes: int) -> memoryview | None:
@@ -301,64 +298,39 @@ class Connection(abc.ABC):
     def _connection_lost(self, reason: PeerGone) -> None:
         """The link broke or the peer closed: ``recv`` raises ``reason`` once the inbox is
         empty, ``send`` raises it at once. Idempotent (the first reason stays)."""
-        if self._lost is None:
-            self._lost = reason
+        self.core.lose(reason)
         self._end()
 
     def _check_open(self) -> None:
         """Raise ConnectionClosed after a local close, or the PeerGone that ended the connection."""
-        if self._closed:
-            raise ConnectionClosed("connection closed locally")
-        if self._lost is not None:
-            raise _fresh(self._lost)
+        self.core.check_open()
 
     @property
     def _inbox_full(self) -> bool:
         """True while the transport must not take more frames (see ``_inbox_frames``)."""
-        n = len(self._inbox)
-        return n >= self._inbox_frames or (n > 0 and self._inbox_nbytes >= self._inbox_bytes)
+        return self.core.full
 
     @property
     def _taking(self) -> bool:
         """False once the connection takes no more frames (closed, lost, or a fatal error)."""
-        return not self._ended.done() and self._fatal is None
+        return self.core.taking
 
     async def _inbox_room(self) -> bool:
         """Wait while the inbox is full. True once there is room, False if not :attr:`_taking`."""
         while self._inbox_full and self._taking:
-            self._room.clear()
-            await self._room.wait()
+            self.__room.clear()
+            await self.__room.wait()
         return self._taking
 
     def _on_consumed(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
         """Hook: ``recv`` took a frame out of the inbox (e.g. resume reading). Default: nothing."""
 
-    def _take(self) -> Frame:
-        item = self._inbox[0]
-        if isinstance(item, WireError):
-            raise _fresh(item)  # stays: the connection is unusable from here on
-        self._inbox.popleft()
-        self._inbox_nbytes -= item.body.nbytes
-        if not self._inbox_full:
-            self._room.set()
-        self._on_consumed()
-        return item
-
     def _end(self) -> None:
         """Closed or lost: wake every waiter."""
-        self._arrived.set()
-        self._room.set()
-        if not self._ended.done():
-            self._ended.set_result(None)
-
-
-def _fresh(exc: RudraError) -> RudraError:
-    """A copy of a stored exception to raise: raising the stored one would hang the
-    traceback (and every frame and buffer it holds) on the connection, a reference cycle
-    that only the cycle collector would break."""
-    fresh = copy.copy(exc)
-    fresh.__traceback__ = None
-    return fresh
+        self.__arrived.set()
+        self.__room.set()
+        if not self.__ended.done():
+            self.__ended.set_result(None)
 
 
 class SharedMemory(abc.ABC):

@@ -14,16 +14,18 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import ConnectError, ConnectionClosed, PeerGone, Unreachable, WireError
+from ..errors import ConnectError, PeerGone, Unreachable, WireError
 from ..wire import Allocator, Frame, FrameReader, Limits, encode_frame
 from .base import format_host_port
+from .core import ConnectionCore
 from .polling import Adaptive
 
+T = TypeVar("T")
 IOV_MAX = 1024  # buffers one sendmsg call takes (Linux allows 1024)
 
 
@@ -35,10 +37,8 @@ class BlockingConnection:
         self.limits = limits
         self.peer = peer
         self._reader = FrameReader(limits)
-        self._frames: list[Frame] = []
-        self._closed = False
-        self._lost: BaseException | None = None
-        self._broken: WireError | None = None  # a framing error to raise once the frames before it are taken
+        #: the inbox, how the connection ended, the byte counts (the asyncio Connection's rules: see :mod:`.core`)
+        self.core = ConnectionCore()
         self._polling = Adaptive()  # the first read after a send polls for a moment (see .polling)
         self._awaiting = False  # a frame was sent since the last read
         self._tls = isinstance(sock, ssl.SSLSocket)
@@ -53,12 +53,24 @@ class BlockingConnection:
 
     @property
     def is_closed(self) -> bool:
-        return self._closed or self._lost is not None
+        return self.core.ended
+
+    async def within(self, operation: Awaitable[T], timeout: float) -> T:
+        """``operation`` (on this connection) with a deadline of ``timeout`` seconds for each
+        blocking call, by the socket's timeout meanwhile; TimeoutError past it."""
+        before = self.gettimeout()
+        self.settimeout(timeout)
+        try:
+            return await operation
+        finally:
+            self.settimeout(before)
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
         """Send one frame; returns when the kernel has every byte (the arrays may change)."""
-        self._check_open()
-        views = [memoryview(part).cast("B") for part in encode_frame(msg_type, meta, arrays, self.limits)]
+        self.core.check_open()
+        parts = encode_frame(msg_type, meta, arrays, self.limits)
+        self.core.sending(parts)
+        views = [memoryview(part).cast("B") for part in parts]
         self._awaiting = True
         try:
             if self._tls:  # TLS records: no scatter-gather
@@ -75,12 +87,9 @@ class BlockingConnection:
             raise self._gone(f"connection lost while sending: {exc}") from None
 
     async def recv(self) -> Frame:
-        """The next frame. Raises PeerGone, ConnectionClosed or a fatal WireError."""
-        while not self._frames:
-            if self._broken is not None:  # after the frames that came before it, once
-                broken, self._broken = self._broken, None
-                raise broken
-            self._check_open()
+        """The next frame. Raises PeerGone, ConnectionClosed or a fatal WireError (once:
+        the byte stream is then lost, and later calls raise PeerGone)."""
+        while (frame := self.core.next()) is None:
             buf = self._reader.get_buffer()
             try:
                 n = self._first_read(buf) if self._awaiting else None
@@ -93,15 +102,11 @@ class BlockingConnection:
             if n == 0:
                 raise self._gone("connection lost in the middle of a frame" if self._reader.mid_frame
                                  else "connection closed by peer")  # fmt: skip
-            try:
-                self._frames += self._reader.advance(n)
-            except WireError as exc:
-                self._frames += exc.take_finished()
-                self._lost = PeerGone("the byte stream lost its framing")
-                if not self._frames:
-                    raise
-                self._broken = exc
-        return self._frames.pop(0)
+            for item in self.core.read(self._reader, n):
+                self.core.queue(item)
+                if isinstance(item, WireError):
+                    self.core.lose(PeerGone("the byte stream lost its framing"))
+        return frame
 
     def _first_read(self, buf: memoryview) -> int | None:
         """The first read after a send: poll for up to one window when that pays (None: nothing came)."""
@@ -118,7 +123,7 @@ class BlockingConnection:
     def settimeout(self, seconds: float | None) -> None:
         """Deadline for each blocking call (None: wait as long as it takes; only then does
         the first read after a send poll). Nothing once closed."""
-        if not self._closed:
+        if not self.core.closed:
             self._sock.settimeout(seconds)
 
     def gettimeout(self) -> float | None:
@@ -127,22 +132,14 @@ class BlockingConnection:
 
     def close(self) -> None:
         """Close this end. Idempotent; never raises."""
-        if not self._closed:
-            self._closed = True
-            for frame in self._frames:
-                frame.release()
-            self._frames.clear()
+        if self.core.close():
             self._sock.close()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosed("connection closed locally")
-        if self._lost is not None:
-            raise self._lost
-
     def _gone(self, why: str) -> PeerGone:
-        self._lost = PeerGone(why)
-        return self._lost
+        """The peer is gone (``why``): the PeerGone to raise (later calls raise the first reason)."""
+        reason = PeerGone(why)
+        self.core.lose(reason)
+        return reason
 
 
 def connect_tcp(

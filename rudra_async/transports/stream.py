@@ -82,7 +82,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             self._on_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._fatal is not None:
+        if self.core.fatal is not None:
             if self._scratch is None:
                 self._scratch = bytearray(65536)
             return memoryview(self._scratch)
@@ -90,10 +90,10 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._poller.arrived()
-        if self._fatal is not None:
+        if self.core.fatal is not None:
             return
         self._advance(self._reader, nbytes)
-        if self._inbox_full and self._fatal is None and not self._reading_paused and self._transport is not None:
+        if self._inbox_full and self.core.fatal is None and not self._reading_paused and self._transport is not None:
             self._reading_paused = True
             self._transport.pause_reading()
 
@@ -102,7 +102,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._drained.set()
-        if self._reader.mid_frame and self._fatal is None:
+        if self._reader.mid_frame and self.core.fatal is None:
             self._connection_lost(PeerGone("connection lost in the middle of a frame"))
         else:
             self._connection_lost(PeerGone(f"connection closed by peer{': ' + str(exc) if exc else ''}"))
@@ -255,7 +255,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             pass
 
     def _on_consumed(self) -> None:
-        if self._reading_paused and len(self._inbox) <= self._inbox_frames // 2 and self._transport is not None:
+        if self._reading_paused and len(self.core.inbox) <= self.core.inbox_frames // 2 and self._transport is not None:
             self._reading_paused = False
             self._transport.resume_reading()
 
@@ -268,7 +268,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             if self.abort_connecting is not None:
                 self.abort_connecting()
             return
-        if (self._fatal is not None or self._linger) and self._lost is None and transport.can_write_eof():
+        if (self.core.fatal is not None or self._linger) and self.core.lost is None and transport.can_write_eof():
             # Closing with unread bytes would reset the connection and destroy the error
             # reply just sent; half-close instead, discard input, and close a bit later.
             transport.write_eof()

@@ -14,7 +14,6 @@ import numpy as np
 
 from ...errors import (
     FrameTooLarge,
-    PeerGone,
     WireError,
     quoted,
 )
@@ -55,7 +54,7 @@ class BlockingShmConnection(BlockingConnection):
         self._write_ahead = False  # the server's WELCOME said it reads progress words of pushes
 
     async def send(self, msg_type: int, meta: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> None:
-        self._check_open()
+        self.core.check_open()
         if msg_type == MsgType.HELLO and segments.ORDERED_STORES:  # weights may come while they are computed
             meta = {**(meta or {}), _PROGRESS: True}
         shared = _shared_body(arrays, self.limits)
@@ -119,7 +118,7 @@ class BlockingShmConnection(BlockingConnection):
             return frame
         resolved = resolve_reference(frame, self.limits, lambda header: None, self._in, self._release, self._peer_uid)
         if isinstance(resolved, WireError):
-            self._lost = PeerGone(f"the server sent a frame beyond the limits: {resolved}")
+            self._gone(f"the server sent a frame beyond the limits: {resolved}")
             raise resolved
         if _PROGRESS in resolved.meta and resolved.error is None:
             return self._follow(resolved, frame.meta[_REF][0], resolved.meta[_PROGRESS])
@@ -140,8 +139,7 @@ class BlockingShmConnection(BlockingConnection):
         word = shm.word(at, 0, shm.size)
         if word is None:
             frame.release()
-            self._lost = PeerGone(f"the server sent a bad progress word position {quoted(at)}")
-            raise self._lost
+            raise self._gone(f"the server sent a bad progress word position {quoted(at)}")
         target = self.allocator(frame.msg_type, frame.meta, n) if self.allocator is not None else None
         out = np.empty(n, np.uint8).data if target is None else target.cast("B")
         done, gone = 0, False
@@ -150,16 +148,14 @@ class BlockingShmConnection(BlockingConnection):
                 final = min(int(word[0]), n)
                 if final < 0 or (gone and final == done):  # the word is read once more after a hang-up
                     failed = "the server's computation of these weights failed"
-                    self._lost = PeerGone(failed if final < 0 else "the server went away while sending weights")
-                    raise self._lost
+                    raise self._gone(failed if final < 0 else "the server went away while sending weights")
                 if final > done:
                     out[done:final] = frame.body[done:final]
                     done = final
                 else:
                     gone = self._hung_up(PROGRESS_POLL_S)
             if not self._still_open():  # the lease may have ended during the copy (Frame.lent)
-                self._lost = PeerGone("the server went away while its weights were being copied")
-                raise self._lost
+                raise self._gone("the server went away while its weights were being copied")
         finally:
             del word
             frame.release()
@@ -184,7 +180,7 @@ class BlockingShmConnection(BlockingConnection):
 
     def _readable(self, seconds: float) -> bool:
         """True if a frame is ready or bytes arrive within ``seconds``."""
-        if self._frames:
+        if self.core.inbox:
             return True
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
@@ -199,7 +195,7 @@ class BlockingShmConnection(BlockingConnection):
                 pass  # the connection is gone: nobody waits for the segment any more
 
     def close(self) -> None:
-        if not self._closed:
+        if not self.core.closed:
             while self._held:
                 self._held.popleft().release()
         super().close()
