@@ -211,6 +211,13 @@ class ServerConfig:
         "every update.",
         low=0,
     )
+    update_threads: int = setting(
+        0,
+        "Threads that compute each update of a large model (at least 2^21 values) and the max |g| of its "
+        "gradients, side by side, each a piece of the vector: the same bits as one thread; 0: the cores this "
+        "process may use.",
+        low=0,
+    )
     checkpoint: str | None = setting(
         None,
         "Write weights, momentum and clock here (atomically) when the server "

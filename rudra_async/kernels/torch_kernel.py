@@ -5,6 +5,7 @@ summed block by block, so the combined gradient stays in cache."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -42,8 +43,9 @@ class TorchUpdater(HostUpdater):
     def __init__(self, size: int) -> None:
         super().__init__(size)
         self._vt = torch.from_numpy(self._v)  # shares memory with the host momentum
-        self._d = torch.empty(min(BLOCK, max(size, 1)), dtype=torch.float32)
+        self._scratch = threading.local()  # a combined gradient's block, one per thread: spans may run side by side
         self._views: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self._views_lock = threading.Lock()
 
     def apply(
         self,
@@ -67,14 +69,22 @@ class TorchUpdater(HostUpdater):
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         """A tensor sharing ``a``'s memory: the same one again for the same array object (kept
         with it, so its id cannot be reused meanwhile), which saves a small update most of its cost."""
-        kept = self._views.get(id(a))
-        if kept is not None and kept[0] is a:
-            return kept[1]
-        if len(self._views) >= VIEWS_KEPT:
-            self._views.pop(next(iter(self._views)))
-        t = torch.from_numpy(a)
-        self._views[id(a)] = (a, t)
-        return t
+        with self._views_lock:  # spans of one update may run on several threads
+            kept = self._views.get(id(a))
+            if kept is not None and kept[0] is a:
+                return kept[1]
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.pop(next(iter(self._views)))
+            t = torch.from_numpy(a)
+            self._views[id(a)] = (a, t)
+            return t
+
+    def _block(self) -> torch.Tensor:
+        """This thread's scratch block for a combined gradient."""
+        d: torch.Tensor | None = getattr(self._scratch, "d", None)
+        if d is None:
+            d = self._scratch.d = torch.empty(min(BLOCK, max(self.size, 1)), dtype=torch.float32)
+        return d
 
     def max_abs(self, a: np.ndarray) -> float:
         """``torch.aminmax``: min and max in one vectorized pass, about 1.6× faster on one
@@ -93,7 +103,7 @@ class TorchUpdater(HostUpdater):
             if unit:
                 self._step(_cut(out, lo, hi), _cut(gs[0], lo, hi), _cut(self._vt, lo, hi), sgd)
                 continue
-            d = self._d[: hi - lo]
+            d = self._block()[: hi - lo]
             if gs[0].dtype == torch.float32:
                 torch.mul(gs[0][lo:hi], scales[0], out=d)
             else:  # float16: widen first, so the product is computed in float32

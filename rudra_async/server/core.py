@@ -567,7 +567,7 @@ class ServerCore:
     def max_abs(self, grad: np.ndarray) -> float:
         """max |g| of (a piece of) a gradient, by the updater's stateless ``max_abs`` (may run
         on another thread)."""
-        return self._need_store().updater.max_abs(grad)
+        return self._need_store().max_abs(grad)
 
     def push(
         self, learner: LearnerInfo, meta: dict[str, Any], frame: Frame, checked: CheckedPush | None = None

@@ -46,7 +46,7 @@ from ..config import ServerConfig
 from ..errors import UpdateFailed
 from ..wire import Frame
 from .core import CheckedPush, GradientSize, LearnerInfo, ServerCore
-from .store import Background, off_loop
+from .store import Background, off_loop, usable_cores
 
 #: how often the loop looks at how much of a gradient is written
 POLL_S = 0.001
@@ -61,7 +61,8 @@ class UpdatePipeline:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.background = Background(self._wake)  # validates and applies large gradients off the loop
+        #: validates and applies large gradients off the loop, on --update-threads part threads
+        self.background = Background(self._wake, config.update_threads or usable_cores())
         self._core: ServerCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False

@@ -20,6 +20,8 @@ many bytes are final.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,6 +47,14 @@ BACKGROUND_MIN_VALUES = 1 << 21
 PIECE_VALUES = 1 << 21
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
 def off_loop(values: int) -> bool:
     """Whether work on ``values`` floats goes to the background thread (read at call time, so
     a test may lower :data:`BACKGROUND_MIN_VALUES`)."""
@@ -56,12 +66,30 @@ class Background:
     (:meth:`submit`), the other the reads of pushed gradients (their checks, :meth:`check`),
     so the next gradient is checked while an update is computed. ``wake()`` is called from
     the update thread after each update (e.g. ``loop.call_soon_threadsafe`` of something that
-    calls :meth:`WeightStore.reap`)."""
+    calls :meth:`WeightStore.reap`).
 
-    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+    With ``threads`` > 1, a pool of that many *part* threads computes the pieces of one
+    update side by side, and the max |g| of a gradient's pieces (:meth:`spread`): the
+    update kernel is elementwise and a maximum is exact, so the result is the same bits as
+    on one thread."""
+
+    def __init__(self, wake: Callable[[], None] = lambda: None, threads: int = 1) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rudra-update")
         self._checks = ThreadPoolExecutor(1, thread_name_prefix="rudra-check")
         self.wake = wake
+        self.threads = max(1, threads)
+        self._parts = ThreadPoolExecutor(self.threads, thread_name_prefix="rudra-part") if self.threads > 1 else None
+
+    def spread(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on a part thread (at once on this one where there are none)."""
+        if self._parts is not None:
+            return self._parts.submit(fn, *args)
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on the update thread, after every job submitted before it."""
@@ -75,6 +103,8 @@ class Background:
         """Wait for the submitted jobs, then stop the threads. Idempotent."""
         self._checks.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        if self._parts is not None:
+            self._parts.shutdown(wait=True)
 
 
 class Progress:
@@ -259,25 +289,33 @@ class WeightStore:
         """Compute the update into ``dst``; with ``progress``, piece by piece in order (if the
         backend can), advancing it after each piece; it ends complete or failed."""
         t0 = time.perf_counter()
-        updater, size = self.updater, self.layout.size
-        copies = None
+        updater, size, background = self.updater, self.layout.size, self._background
+        spread = background is not None and background.threads > 1 and updater.partial and size > PIECE_VALUES
+        others: list[Future[None]] = []  # work of other threads that writes into dst
         try:
-            if progress is None or not updater.partial:
+            if not spread and (progress is None or not updater.partial):
                 updater.apply(src, dst, grads, scales, steps)
+            elif spread:  # every piece on a part thread, copied from src there: the same bits
+                assert background is not None
+                spans = self._pieces()
+                others = [background.spread(updater.apply, src, dst, grads, scales, steps, span) for span in spans]
+                for (_, hi), part in zip(spans, others):
+                    part.result()
+                    if progress is not None:
+                        progress.advance(4 * hi)
             else:
-                piece = max(PIECE_VALUES // updater.grain, 1) * updater.grain  # same bits as a whole update
-                spans = [(lo, min(lo + piece, size)) for lo in range(0, size, piece)]
-                copies = self._copy_ahead(src, dst, spans)
-                for i, (lo, hi) in enumerate(spans):
-                    if copies is not None:  # dst holds src's values there once copied: the same step, in place
-                        copies[i].result()
-                    updater.apply(src if copies is None else dst, dst, grads, scales, steps, span=(lo, hi))
+                assert progress is not None
+                spans = self._pieces()
+                others = self._copy_ahead(src, dst, spans)
+                for i, (_, hi) in enumerate(spans):
+                    if others:  # dst holds src's values there once copied: the same step, in place
+                        others[i].result()
+                    updater.apply(dst if others else src, dst, grads, scales, steps, span=spans[i])
                     progress.advance(4 * hi)
         except BaseException as exc:
-            if copies is not None:  # none may write into dst once this has failed
-                for copy in copies:
-                    copy.cancel()
-                wait(copies)
+            for job in others:  # none may write into dst once this has failed
+                job.cancel()
+            wait(others)
             if progress is not None:
                 progress.fail(exc)
             raise
@@ -285,12 +323,32 @@ class WeightStore:
             progress.advance(progress.nbytes)
         self.update_seconds += time.perf_counter() - t0
 
-    def _copy_ahead(self, src: np.ndarray, dst: np.ndarray, spans: list[tuple[int, int]]) -> list[Future[None]] | None:
+    def max_abs(self, grad: np.ndarray) -> float:
+        """max |g| of a pushed gradient by the updater's stateless ``max_abs``, its pieces on
+        the part threads where there are several (the same value: a maximum is exact); NaN
+        if it holds a NaN. Changes no state (it may run on any thread)."""
+        background = self._background
+        if background is None or background.threads == 1 or grad.size <= PIECE_VALUES:
+            return self.updater.max_abs(grad)
+        parts = [
+            background.spread(self.updater.max_abs, grad[lo : lo + PIECE_VALUES])
+            for lo in range(0, grad.size, PIECE_VALUES)
+        ]
+        found = [part.result() for part in parts]
+        return math.nan if any(math.isnan(x) for x in found) else max(found)
+
+    def _pieces(self) -> list[tuple[int, int]]:
+        """The vector cut into pieces of about :data:`PIECE_VALUES` values, at multiples of
+        the updater's grain (the same bits as a whole update)."""
+        piece = max(PIECE_VALUES // self.updater.grain, 1) * self.updater.grain
+        return [(lo, min(lo + piece, self.layout.size)) for lo in range(0, self.layout.size, piece)]
+
+    def _copy_ahead(self, src: np.ndarray, dst: np.ndarray, spans: list[tuple[int, int]]) -> list[Future[None]]:
         """For an update into a spare buffer: copy ``src`` into ``dst`` span by span on the
         check thread (queued now, in order), one future per span, so the update thread steps
-        each span in place while the next is copied; None where there is nothing to copy."""
+        each span in place while the next is copied; none where there is nothing to copy."""
         if src is dst or self._background is None:
-            return None
+            return []
         check = self._background.check
         return [check(np.copyto, dst[lo:hi], src[lo:hi]) for lo, hi in spans]
 

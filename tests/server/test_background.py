@@ -559,3 +559,82 @@ async def test_closing_while_a_failing_update_is_computed_raises_update_failed(o
             assert ps.core.store.in_flight is not None
             await client.close()
     assert not path.exists()
+
+
+@pytest.mark.parametrize("kernel", ["numpy", pytest.param("torch", marks=pytest.mark.torch)])
+def test_an_update_on_several_part_threads_equals_one_thread_bit_for_bit(monkeypatch, kernel):
+    """--update-threads: the pieces of each update (and the max |g| of a gradient) are
+    computed side by side on the part threads, in place or into a spare buffer, with one to
+    three gradients combined, float16 among them: the same bits as one thread."""
+    monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+    monkeypatch.setattr(store, "PIECE_VALUES", 1 << 20)  # torch's grain: every piece a multiple of it
+    n = 3 * (1 << 20) + 777
+    layout = Layout.from_shapes([("a", (n - 1000,)), ("b", (1000,))])
+    steps = [Group(0, n - 1000, SGD(0.1, 0.9, 0.01, nesterov=True)), Group(n - 1000, n, SGD(0.05, 0.9, 0.0))]
+    rng = np.random.default_rng(1)
+    w0 = rng.standard_normal(n).astype(np.float32)
+    one, two = Background(threads=1), Background(threads=2)
+    stores = [WeightStore(layout, w0, kernel, background=b) for b in (one, two)]
+    parts = []
+    two_spread = two.spread
+    monkeypatch.setattr(
+        two, "spread", lambda fn, *args: parts.append(threading.current_thread().name) or two_spread(fn, *args)
+    )
+    for step in range(6):
+        grads = [rng.standard_normal(n).astype(np.float32 if i != 1 else np.float16) for i in range(1 + step % 3)]
+        scales = [1.0 / len(grads)] * len(grads)
+        for s in stores:
+            with s.lease() if step % 2 == 0 else _nothing():  # half the updates go to a spare buffer
+                s.apply(grads, scales, steps)
+    assert parts and all(name.startswith("rudra-update") for name in parts)  # the update thread spread them
+    np.testing.assert_array_equal(stores[1].weights, stores[0].weights)
+    np.testing.assert_array_equal(stores[1].updater.momentum, stores[0].updater.momentum)
+    g = rng.standard_normal(n).astype(np.float32)
+    g[n - 5] = 1e6
+    assert stores[1].max_abs(g) == stores[0].max_abs(g) == 1e6
+    g[7] = np.nan
+    assert np.isnan(stores[1].max_abs(g))
+    for s in stores:
+        s.close()
+    one.close()
+    two.close()
+
+
+def test_a_piece_that_fails_on_a_part_thread_fails_the_update_once_no_piece_is_being_written(monkeypatch):
+    """With part threads, a piece whose kernel raises fails the whole update (UpdateFailed,
+    its Progress failed) only once every other piece has stopped writing into the buffer."""
+    from rudra_async.kernels import numpy_kernel
+
+    monkeypatch.setattr(store, "BACKGROUND_MIN_VALUES", 1)
+    monkeypatch.setattr(store, "PIECE_VALUES", 1000)
+    apply, running, lock = numpy_kernel.NumpyUpdater.apply, [0], threading.Lock()
+
+    def slow(self, w, w_out, grads, scales, steps, span=None):
+        with lock:
+            running[0] += 1
+        try:
+            if span is not None and span[0] == 3000:
+                raise RuntimeError("a kernel that fails")
+            time.sleep(0.01)
+            return apply(self, w, w_out, grads, scales, steps, span)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(numpy_kernel.NumpyUpdater, "apply", slow)
+    n = 10_000
+    layout = Layout.from_shapes([("w", (n,))])
+    background = Background(threads=2)
+    failures = []
+    s = WeightStore(layout, np.zeros(n, np.float32), "numpy", background=background, on_failure=failures.append)
+    s.apply([np.ones(n, np.float32)], [1.0], [Group(0, n, SGD(0.1, 0.0, 0.0))])
+    with s.lease_computing() as (_, _, progress):
+        assert progress is not None
+        with pytest.raises(rudra_errors.UpdateFailed, match="a kernel that fails"):
+            s.finish()
+        assert running[0] == 0  # no piece is still being written
+        with pytest.raises(RuntimeError):
+            progress.wait(4 * n, 1)
+    assert len(failures) == 1
+    s.close()
+    background.close()

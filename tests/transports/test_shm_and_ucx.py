@@ -542,7 +542,9 @@ async def test_a_learner_copying_weights_being_computed_learns_when_the_update_f
     size = 50_000
     w0 = np.zeros(size, np.float32)
     with pytest.raises(UpdateFailed, match="a kernel that fails"):  # from serve(), awaited by run_server
-        async with run_server(listen=["shm://"], lr=0.05, kernel="numpy") as ps:
+        # one update thread: the pieces in order, so the failing one is the last computed (with
+        # several, the next ones may be under way: test_background's failure test covers that)
+        async with run_server(listen=["shm://"], lr=0.05, kernel="numpy", update_threads=1) as ps:
 
             def learn() -> None:
                 client = SyncClient(ps.addresses[0], Layout.from_shapes([("w", (size,))]), w0)
