@@ -21,6 +21,7 @@ import statistics
 import time
 
 import numpy as np
+from timing import cpu_seconds  # benchmarks/timing.py (the script's directory is on sys.path)
 
 
 def _serve(url: str, floats: int, window_us: float, q, stop) -> None:
@@ -37,12 +38,6 @@ def _serve(url: str, floats: int, window_us: float, q, stop) -> None:
                 await asyncio.sleep(0.05)
 
     run(main())
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(scheme: str, floats: int, windows: list[float], rounds: int, per: int) -> dict[float, dict]:
@@ -70,13 +65,13 @@ def measure(scheme: str, floats: int, windows: list[float], rounds: int, per: in
                 client, r = clients[w], result[w]
                 for _ in range(50):
                     stamps[w] = client.push_pull(grad, stamps[w]).timestamp
-                cpu, server_cpu, times = time.process_time(), _cpu_seconds(procs[w].pid), []
+                cpu, server_cpu, times = time.process_time(), cpu_seconds(procs[w].pid), []
                 for _ in range(per):
                     t = time.perf_counter()
                     stamps[w] = client.push_pull(grad, stamps[w]).timestamp
                     times.append(time.perf_counter() - t)
                 r["client_cpu"] += time.process_time() - cpu
-                r["server_cpu"] += _cpu_seconds(procs[w].pid) - server_cpu
+                r["server_cpu"] += cpu_seconds(procs[w].pid) - server_cpu
                 r["medians"].append(statistics.median(times))
         for client in clients.values():
             client.close()

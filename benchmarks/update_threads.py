@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 
 import numpy as np
 import torch
+from timing import cpu_seconds  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from rudra_async.kernels import SGD, Group
 from rudra_async.layout import Layout
@@ -107,13 +107,6 @@ def end_to_end(scheme: str, threads: int, steps: int) -> tuple[float, float]:
     finally:
         server.terminate()
         server.wait(30)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main_end_to_end(scheme: str, steps: int, reps: int) -> None:
