@@ -130,6 +130,19 @@ class ServerConfig:
     lr_policy_options: dict[str, Any] = setting(
         factory=dict, flag="--lr-option", help="KEY=VALUE passed to a plugin LR policy (repeatable)."
     )
+    dc_lambda: float = setting(
+        0.0,
+        "Delay compensation (DC-ASGD): each gradient g computed on θ_j is applied as g + λ·g⊙g⊙(θ_now − θ_j) "
+        "(0: off; docs/protocols.md).",
+        low=0,
+    )
+    dc_history: int = setting(
+        8,
+        "Delay compensation: weight versions kept; a gradient staler than this is applied uncompensated "
+        "(memory: up to this + 1 copies of the weights).",
+        low=1,
+        high=1024,
+    )
     lr_decay_at: tuple[float, ...] = setting(
         factory=tuple, parse=parse_milestones, metavar="M1,M2,...", help="Step-decay milestones, e.g. 120,130."
     )

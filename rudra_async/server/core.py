@@ -240,6 +240,8 @@ class ServerCore:
         self._departed: collections.deque[int] = collections.deque()
         self._weights_bound = 0.0  # ≥ max |θ| (exact after a check, grows by each update's bound)
         self._momentum_bound = 0.0  # ≥ max |v|
+        self._weights_ever = 0.0  # ≥ max |θ| of every kept version (delay compensation's bound)
+        self.dc_uncompensated = 0  # gradients applied without delay compensation (σ beyond the history)
         self._last_steps: tuple[tuple[float, ...], Sequence[Group], SGD] | None = None  # see _steps
         self._shared_memory = shared_memory
         self._background = background
@@ -340,6 +342,7 @@ class ServerCore:
                 for i, info in self.learners.items()
             },
             "rejected": dict(self.rejected),
+            **({"dc_uncompensated": self.dc_uncompensated} if self.config.dc_lambda else {}),
             **({"loss_curve": make_loss_curve(self.losses)} if loss_curve else {}),
         }
 
@@ -772,8 +775,9 @@ class ServerCore:
             shared.free if shared else None,
             self._background,
             self._on_failure,
+            history=self.config.dc_history if self.config.dc_lambda else 0,
         )
-        self._weights_bound = max_abs(self.store.weights)
+        self._weights_bound = self._weights_ever = max_abs(self.store.weights)
         return self.store
 
     def _decide(self, decision: Decision) -> None:
@@ -832,13 +836,16 @@ class ServerCore:
             tuple(rate(clock, epoch, samples or None, base=r) * boost for r in self.rates), momentum
         )
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
-        weights_bound, momentum_bound = self._bounds(pendings, scales, worst)  # the largest group's rates bound all
+        bases = store.versions([g.stamp for g in batch]) if cfg.dc_lambda else None
+        magnitudes = self._magnitudes(pendings, bases)
+        weights_bound, momentum_bound = self._bounds(magnitudes, scales, worst)  # the largest group's rates bound all
         grads = [p.grad for p in pendings]
         releases = [p.frame.release for p in pendings]  # once the update has read the gradients
+        dc = (cfg.dc_lambda, bases) if bases is not None else None
         if max(weights_bound, momentum_bound) <= SAFE_MAGNITUDE:
-            store.apply(grads, scales, steps, after=releases)
+            store.apply(grads, scales, steps, after=releases, dc=dc)
             self._weights_bound, self._momentum_bound = weights_bound, momentum_bound
-        elif store.apply(grads, scales, steps, check=True, after=releases):
+        elif store.apply(grads, scales, steps, check=True, after=releases, dc=dc):
             self._weights_bound = max_abs(store.weights)  # exact again after a near miss
             self._momentum_bound = max_abs(store.updater.momentum) if cfg.momentum else self._momentum_bound
         else:
@@ -849,6 +856,9 @@ class ServerCore:
                 self.reject("update_not_finite")
                 p.refuse("update_not_finite", message)
             return
+        self._weights_ever = max(self._weights_ever, self._weights_bound)
+        if bases is not None:
+            self.dc_uncompensated += sum(1 for s, base in zip(sigmas, bases) if s > 0 and base is None)
         self.samples = min(self.samples + samples, MAX_RUN_SAMPLES)
         now = self._now()
         self.first_update_at = self.first_update_at or now
@@ -876,12 +886,27 @@ class ServerCore:
             self._last_steps = (key, steps, SGD(lr, momentum, decay, cfg.nesterov))
         return self._last_steps[1], self._last_steps[2]
 
-    def _bounds(self, pendings: list[PendingGradient], scales: list[float], sgd: SGD) -> tuple[float, float]:
+    def _magnitudes(self, pendings: list[PendingGradient], bases: list[np.ndarray | None] | None) -> list[float]:
+        """A bound on max |g| of each gradient as the update uses it, and on every intermediate
+        value of its delay compensation (``bases``: the kept versions it is compensated with):
+        |g ⊙ g ⊙ (θ_t − θ_j)| ≤ m²·2W with W a bound on max |θ| of every kept version."""
+        if bases is None:
+            return [p.magnitude for p in pendings]
+        lam, width = self.config.dc_lambda, 2 * self._weights_ever
+        found = []
+        for p, base in zip(pendings, bases):
+            m = p.magnitude
+            term = m * m * width if base is not None else 0.0
+            found.append(math.inf if max(m * m, width, term, term * lam) > SAFE_MAGNITUDE else m + lam * term)
+        return found
+
+    def _bounds(self, magnitudes: list[float], scales: list[float], sgd: SGD) -> tuple[float, float]:
         """Upper bounds of max |θ| and max |v| after this update, and (through them) of every
-        intermediate value of its float32 arithmetic (infinite when a factor is out of range)."""
+        intermediate value of its float32 arithmetic (infinite when a factor is out of range).
+        ``magnitudes``: a bound on max |g| of each gradient."""
         if max(sgd.lr, sgd.weight_decay, *(abs(s) for s in scales)) > SAFE_MAGNITUDE:
             return math.inf, math.inf
-        d = sum(abs(s) * p.magnitude for s, p in zip(scales, pendings)) + sgd.weight_decay * self._weights_bound
+        d = sum(abs(s) * m for s, m in zip(scales, magnitudes)) + sgd.weight_decay * self._weights_bound
         if sgd.momentum:
             v = sgd.momentum * self._momentum_bound + d
             step = d + sgd.momentum * v if sgd.nesterov else v

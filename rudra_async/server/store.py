@@ -15,6 +15,9 @@ A reader that can write bytes as they become final (a reply written by a sender 
 may instead lease the weights while they are computed (:meth:`WeightStore.lease_computing`):
 the update thread computes them in pieces, in order, and its :class:`Progress` says how
 many bytes are final.
+
+With a ``history`` of H, the store also keeps the last H published versions (held as leases,
+so no update writes into them) for delay compensation (:meth:`WeightStore.versions`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 
 from ..errors import UpdateFailed
 from ..kernels import Steps, Updater, make_updater
+from ..kernels.delay import delay_compensated
 from ..layout import Layout
 
 #: models with fewer values are updated on the caller's thread: the hand-overs to the check
@@ -153,10 +157,13 @@ class WeightStore:
         free: Callable[[np.ndarray], None] | None = None,
         background: Background | None = None,
         on_failure: Callable[[UpdateFailed], None] = lambda failure: None,
+        history: int = 0,
     ) -> None:
         """``allocate(nbytes)``/``free(buffer)`` provide the published buffers (e.g. shared
         memory a transport can send without copying); plain memory by default.
-        ``on_failure(failure)`` is called once, on the caller's thread, when an update fails."""
+        ``on_failure(failure)`` is called once, on the caller's thread, when an update fails.
+        ``history``: how many published versions to keep for :meth:`versions` (0: none; H
+        costs up to H + 1 buffers of the weights)."""
         if initial.size != layout.size:
             raise ValueError(f"initial weights have {initial.size} values, layout needs {layout.size}")
         self.layout = layout
@@ -167,7 +174,9 @@ class WeightStore:
         self._current: np.ndarray = self._new_buffer()
         self._current[:] = np.asarray(initial, np.float32).reshape(-1)
         self.updater: Updater = make_updater(kernel, layout.size)
-        self._leases: dict[int, int] = {}  # id(buffer) -> readers
+        self._leases: dict[int, int] = {}  # id(buffer) -> readers (and kept versions)
+        self._history = history
+        self._versions: dict[int, np.ndarray] = {}  # clock -> the weights published at it (kept)
         self._spares: list[np.ndarray] = []
         self.update_seconds = 0.0  # time spent computing updates
         self._background = background if background is not None and off_loop(layout.size) else None
@@ -216,16 +225,46 @@ class WeightStore:
     def _hold(self) -> Iterator[np.ndarray]:
         """The current buffer, which no update writes into while it is held (but the one in flight)."""
         self._usable()
-        buf, key = self._current, id(self._current)
-        self._leases[key] = self._leases.get(key, 0) + 1
+        buf = self._keep(self._current)
         try:
             yield buf
         finally:
-            self._leases[key] -= 1
-            if not self._leases[key]:
-                del self._leases[key]
-                if buf is not self._current:
-                    self._spares.append(buf)
+            self._let_go(buf)
+
+    def _keep(self, buf: np.ndarray) -> np.ndarray:
+        """Hold ``buf`` unchanged (no update writes into it) until :meth:`_let_go`."""
+        self._leases[id(buf)] = self._leases.get(id(buf), 0) + 1
+        return buf
+
+    def _let_go(self, buf: np.ndarray) -> None:
+        key = id(buf)
+        self._leases[key] -= 1
+        if not self._leases[key]:
+            del self._leases[key]
+            if buf is not self._current:
+                self._spares.append(buf)
+
+    def versions(self, stamps: Sequence[int]) -> list[np.ndarray | None]:
+        """The weights published at each clock in ``stamps`` (θ_j, for delay compensation),
+        where kept and older than the current clock; None for the current clock, or a version
+        not kept (beyond the history, or from before this store's first update). Each stays
+        unchanged until the next :meth:`apply` has computed its update."""
+        self._remember_current()
+        return [self._versions.get(j) if j < self.clock else None for j in stamps]
+
+    def _remember_current(self) -> None:
+        """Keep the current weights as the version of the current clock, and let go of those
+        beyond the history (the store's first version: whatever the clock says, e.g. after
+        a resume; the history is cleared if the clock moved otherwise than by updates)."""
+        if not self._history or self._versions.get(self.clock) is self._current:
+            return
+        if self.clock - 1 not in self._versions:
+            for buf in self._versions.values():
+                self._let_go(buf)
+            self._versions.clear()
+        self._versions[self.clock] = self._keep(self._current)
+        for j in [j for j in self._versions if j <= self.clock - self._history]:
+            self._let_go(self._versions.pop(j))
 
     def apply(
         self,
@@ -235,47 +274,55 @@ class WeightStore:
         *,
         check: bool = False,
         after: Iterable[Callable[[], None]] = (),
+        dc: tuple[float, Sequence[np.ndarray | None]] | None = None,
     ) -> bool:
         """Fold the gradients into the weights and advance the clock. The gradients must stay
         unchanged until the update is computed; then each of ``after`` is called (at once,
-        or from :meth:`finish` after a background update).
+        or from :meth:`finish` after a background update). ``dc``: (λ_dc, one version of
+        :meth:`versions` per gradient): each gradient with a version is delay-compensated
+        first (:func:`~rudra_async.kernels.delay.delay_compensated`), with the weights this
+        update starts from.
 
         With ``check``, the new weights are computed (on this thread) into a spare buffer and
         the momentum is saved first; if any new weight or momentum value is not finite, both
         stay as they were (the clock still advances) and False is returned."""
         self.finish()
+        self._remember_current()
         src = self._current
         if not check:
             dst = src if id(src) not in self._leases else self._spare()
             self._current = dst
             self.clock += 1
+            self._remember_current()
             if self._background is None:
                 try:
-                    self._failing(self._compute, src, dst, grads, scales, steps)
+                    self._failing(self._compute, src, dst, grads, scales, steps, None, dc)
                 finally:
                     _call_all(after)
             else:
                 background, self._after = self._background, list(after)
                 self._progress = progress = Progress(dst.nbytes)
-                self._in_flight = background.submit(self._compute, src, dst, grads, scales, steps, progress)
+                self._in_flight = background.submit(self._compute, src, dst, grads, scales, steps, progress, dc)
                 self._in_flight.add_done_callback(lambda _: background.wake())
             return True
         saved = self.updater.momentum
         dst = self._spare()
         try:
             with np.errstate(over="ignore", invalid="ignore"):  # overflow is what the check is for
-                self._failing(self._compute, src, dst, grads, scales, steps)
+                self._failing(self._compute, src, dst, grads, scales, steps, None, dc)
         finally:
             _call_all(after)
         self.clock += 1
-        if np.isfinite(dst).all() and np.isfinite(self.updater.momentum).all():
+        applied = bool(np.isfinite(dst).all() and np.isfinite(self.updater.momentum).all())
+        if applied:
             self._current = dst
             if id(src) not in self._leases:
                 self._spares.append(src)
-            return True
-        self.updater.load_momentum(saved)
-        self._spares.append(dst)
-        return False
+        else:
+            self.updater.load_momentum(saved)
+            self._spares.append(dst)
+        self._remember_current()
+        return applied
 
     def _compute(
         self,
@@ -285,11 +332,16 @@ class WeightStore:
         scales: Sequence[float],
         steps: Steps,
         progress: Progress | None = None,
+        dc: tuple[float, Sequence[np.ndarray | None]] | None = None,
     ) -> None:
         """Compute the update into ``dst``; with ``progress``, piece by piece in order (if the
-        backend can), advancing it after each piece; it ends complete or failed."""
+        backend can), advancing it after each piece; it ends complete or failed. ``dc``: see
+        :meth:`apply` (the compensated gradients are computed whole, first)."""
         t0 = time.perf_counter()
         updater, size, background = self.updater, self.layout.size, self._background
+        if dc is not None:
+            dc_lambda, bases = dc
+            grads = [g if base is None else delay_compensated(g, src, base, dc_lambda) for g, base in zip(grads, bases)]
         spread = background is not None and background.threads > 1 and updater.partial and size > PIECE_VALUES
         others: list[Future[None]] = []  # work of other threads that writes into dst
         try:
