@@ -209,9 +209,13 @@ def from_results(path: str) -> None:
         rows = [json.loads(line) for line in fh]
     for r in rows:
         rule = "hardsync" if r["protocol"] == "hardsync" else r["lr_policy"]
+        dc = r["point"].get("dc_lambda")
+        rule += f" + dc {dc:g}" if dc else ""  # delay compensation (--dc-lambda)
         cells[(r["group"], rule, r["learners"])].append(1.0 - r["test_error"])
     lambdas = sorted({lam for _, _, lam in cells})
-    table(cells, [r for r in RULES if any(k[1] == r for k in cells)], lambdas)
+    found = list(dict.fromkeys(k[1] for k in cells))
+    order = {rule: i for i, rule in enumerate(RULES)}  # then any other (a plugin's), by name
+    table(cells, sorted(found, key=lambda rule: (order.get(rule.split(" +")[0], len(RULES)), rule)), lambdas)
 
 
 def main() -> None:

@@ -33,6 +33,10 @@ from .train import summarize
 MAX_SPINS = 100_000
 #: a learner reports its buffers (BatchNorm's) every this many steps, as DistributedOptimizer's default
 REPORT_EVERY = 50
+#: refusals of a gradient by the server's guards when training diverges: the gradient is lost and
+#: the learner goes on (counted in the results' ``rejected``), so a study records the diverged
+#: point rather than stopping
+DIVERGED = ("gradient_outlier", "update_not_finite")
 
 #: settings of learner processes and of how they reach their servers: a simulation (one
 #: server, its learners as tasks of one process, the in-memory transport) does not use them
@@ -154,7 +158,9 @@ async def _learner(
             except RemoteError as exc:
                 if exc.code == "stopped":
                     break
-                raise
+                if exc.code not in DIVERGED:
+                    raise
+                w = await client.pull()  # the server kept its weights: a diverging run goes on, as a run of a study
             step += 1
             if state.has_buffers and step % REPORT_EVERY == 0:
                 await client.exchange_state(state.buffers(), every=False, reply=False)

@@ -230,6 +230,8 @@ def summarize(
         "staleness_mean": stats["staleness_mean"],
         "staleness_max": stats["staleness_max"],
         "staleness_histogram": stats["staleness_histogram"],
+        "rejected": stats["rejected"],
+        **{key: stats[key] for key in ("dc_uncompensated",) if key in stats},
         "per_learner": stats["learners"],
         "loss_curve": stats["loss_curve"],
         "config": asdict(cfg),

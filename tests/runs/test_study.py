@@ -199,3 +199,18 @@ def test_runs_without_a_test_error_are_reported_as_not_measured(tmp_path):
     assert "needs constant-α runs for at least two n" in text and "hardsync reference with test errors" in text
     assert "— **not measured**; for softsync" in text and "(largest difference n/a) — **not measured**" in text
     assert lines[-2].endswith("| 2 | n/a |")  # the table of all runs
+
+
+def test_a_diverging_simulated_run_is_recorded_with_its_refusals_rather_than_failing():
+    """Gradients refused by the server's outlier guard (training diverged) are lost and the
+    learners go on, so a sweep records the point: here fixed α0 with momentum at λ = 8 and
+    a large delay compensation blow up."""
+    cfg = TrainConfig(
+        learners=8,
+        epochs=3,
+        learner=LearnerOptions(batch_size=32, model="mlp", dataset="mnist5k"),
+        server=ServerConfig(lr=0.05, momentum=0.9, lr_policy="constant", dc_lambda=2.0),
+    )
+    result = run(simulate(cfg))
+    assert result["rejected"].get("gradient_outlier", 0) > 0
+    assert result["test_error"] > 0.5 and result["dc_uncompensated"] >= 0
