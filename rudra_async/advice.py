@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from .config import ServerConfig
+from .sync import AdaptiveSoftsync
 
 __all__ = ["FAILING_POLICIES", "expected_staleness", "risks", "warn"]
 
@@ -31,14 +32,18 @@ def expected_staleness(
     *,
     n: int | None = None,
     staleness_bound: int | None = None,
+    staleness_target: float | None = None,
     overlap: bool = False,
 ) -> float | None:
     """The mean σ a run of homogeneous learners settles at: 0 for hardsync and backup; λ/c − 1
     for softsync (c = max(1, ⌊λ/n⌋) gradients per update: each learner's gradient waits for
     the others' λ/c − 1 updates; async is λ-softsync); bounded as async, at most its bound.
-    Overlapping learners push one exchange later: λ/c more. None for a plugin's protocol."""
+    Overlapping learners push one exchange later: λ/c more. ``adaptive`` steers σ to its
+    target, overlap included. None for a plugin's protocol."""
     if protocol in ("hardsync", "backup"):
         return 0.0
+    if protocol == "adaptive":
+        return staleness_target or AdaptiveSoftsync.DEFAULT_TARGET
     if protocol not in ("async", "softsync", "bounded"):
         return None
     per_update = max(1, learners // n) if protocol == "softsync" and n else 1
@@ -56,7 +61,12 @@ def risks(server: ServerConfig, learners: int | None = None, overlap: bool = Fal
     (which are 1 at σ = 1)."""
     lam = learners or server.expected_learners or 2
     sigma = expected_staleness(
-        server.protocol, lam, n=server.n, staleness_bound=server.staleness_bound, overlap=overlap
+        server.protocol,
+        lam,
+        n=server.n,
+        staleness_bound=server.staleness_bound,
+        staleness_target=server.staleness_target,
+        overlap=overlap,
     )
     if sigma is None or sigma < 1 or not server.momentum or server.lr_policy not in FAILING_POLICIES:
         return []

@@ -44,7 +44,12 @@ DEFAULT_LISTEN = "tcp://127.0.0.1:7000"
 TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package: pip install 'rudra-async[tensorboard]'"
 
 #: built-in protocol -> (its option, the config field holding it)
-PROTOCOL_OPTIONS = {"softsync": ("n", "n"), "bounded": ("s", "staleness_bound"), "backup": ("b", "backup")}
+PROTOCOL_OPTIONS = {
+    "softsync": ("n", "n"),
+    "adaptive": ("target", "staleness_target"),
+    "bounded": ("s", "staleness_bound"),
+    "backup": ("b", "backup"),
+}
 
 
 def make_protocol(cfg: ServerConfig) -> SyncProtocol:
@@ -107,8 +112,13 @@ class ServerConfig:
     PER_SERVER: ClassVar[tuple[str, ...]] = ("listen", "resume", "shard")
 
     listen: list[str] = setting(factory=lambda: [DEFAULT_LISTEN], help="Address to listen on (repeatable).")
-    protocol: str = setting("async", "hardsync | softsync | async | bounded | backup | a plugin's name | module:Class.")
+    protocol: str = setting(
+        "async", "hardsync | softsync | adaptive | async | bounded | backup | a plugin's name | module:Class."
+    )
     n: int | None = setting(None, "softsync: c = max(1, ⌊λ/n⌋) gradients per update (1 ≤ n ≤ λ).", low=1)
+    staleness_target: float | None = setting(
+        None, "adaptive: the mean staleness σ its n is steered to (default 2; docs/protocols.md).", above=0
+    )
     staleness_bound: int | None = setting(None, "bounded: no gradient applied with σ > this.", low=0)
     backup: int | None = setting(None, "backup: update after λ − b gradients, drop the late b.", low=0)
     protocol_options: dict[str, Any] = setting(

@@ -28,6 +28,7 @@ def entry_points(group: str, name: str | None = None) -> Any:
 PROTOCOLS = {
     "async": "rudra_async.sync:Async",
     "softsync": "rudra_async.sync:Softsync",
+    "adaptive": "rudra_async.sync:AdaptiveSoftsync",
     "hardsync": "rudra_async.sync:Hardsync",
     "bounded": "rudra_async.sync:Bounded",
     "backup": "rudra_async.sync:Backup",

@@ -14,6 +14,7 @@ changes, so a learner leaving (or crashing) never deadlocks a round.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = [
+    "AdaptiveSoftsync",
     "Async",
     "Backup",
     "Bounded",
@@ -81,6 +83,10 @@ class SyncProtocol:
 
     def describe(self) -> dict[str, Any]:
         return {"protocol": self.name}
+
+    def statistics(self) -> dict[str, Any]:
+        """What the protocol reports beside the server's statistics (``stats()``); none by default."""
+        return {}
 
     def start_at(self, clock: int) -> None:
         """Continue the update clock from ``clock`` (a run resumed from a checkpoint)."""
@@ -181,6 +187,67 @@ class Softsync(SyncProtocol):
 
     def on_membership(self) -> list[list[Gradient]]:
         return self._take_full_batches()
+
+
+class AdaptiveSoftsync(Softsync):
+    """n-softsync whose n follows the measured staleness toward ``target`` (docs/protocols.md):
+    after every :data:`WINDOW` updates, if the mean σ of their gradients, m, is outside
+    target·(1 ± :data:`BAND`), n becomes ⌊n·target/m + 1/2⌋ (λ when m = 0), kept within
+    [1, max(1, λ)]. n starts at ⌊target + 3/2⌋ (homogeneous learners settle at σ ≈ n − 1).
+    :attr:`trajectory` holds (clock from which it holds, n) for every n used."""
+
+    name = "adaptive"
+    #: updates between two decisions
+    WINDOW = 32
+    #: the tolerated relative distance of the measured mean σ from the target
+    BAND = 0.25
+    #: the target without ``--staleness-target``
+    DEFAULT_TARGET = 2.0
+
+    def __init__(self, target: float = DEFAULT_TARGET, now: Callable[[], float] = time.monotonic) -> None:
+        if not (isinstance(target, (int, float)) and 0 < target < float("inf")):
+            raise ConfigError(f"adaptive softsync needs a staleness target > 0, got {target!r}")
+        super().__init__(math.floor(target + 1.5), now)
+        self.target = float(target)
+        self.trajectory: list[tuple[int, int]] = [(0, self.n)]
+        self._sigmas = 0  # the sum of σ over the window's gradients
+        self._gradients = 0
+        self._updates = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"protocol": self.name, "n": self.n, "staleness_target": self.target}
+
+    def statistics(self) -> dict[str, Any]:
+        return {"n_trajectory": [list(point) for point in self.trajectory]}
+
+    def start_at(self, clock: int) -> None:
+        super().start_at(clock)
+        self.trajectory = [(clock, self.n)]
+
+    def _take_full_batches(self) -> list[list[Gradient]]:
+        batches: list[list[Gradient]] = []
+        while self.pending and len(self.pending) >= self.c:
+            batch, self.pending = self.pending[: self.c], self.pending[self.c :]
+            batches.append(batch)
+            self._observe(batch, self.clock + len(batches) - 1)  # the update's clock t
+        return batches
+
+    def _observe(self, batch: list[Gradient], clock: int) -> None:
+        """Count the σ of an update's gradients; decide n at the end of each window."""
+        self._sigmas += sum(clock - g.stamp for g in batch)
+        self._gradients += len(batch)
+        self._updates += 1
+        if self._updates < self.WINDOW:
+            return
+        mean = self._sigmas / self._gradients
+        self._sigmas = self._gradients = self._updates = 0
+        if abs(mean - self.target) <= self.BAND * self.target:
+            return
+        top = max(1, self.learners)
+        n = top if mean == 0 else min(top, max(1, math.floor(self.n * self.target / mean + 0.5)))
+        if n != self.n:
+            self.n = n
+            self.trajectory.append((clock + 1, n))
 
 
 class Async(Softsync):

@@ -231,7 +231,7 @@ def summarize(
         "staleness_max": stats["staleness_max"],
         "staleness_histogram": stats["staleness_histogram"],
         "rejected": stats["rejected"],
-        **{key: stats[key] for key in ("dc_uncompensated",) if key in stats},
+        **{key: stats[key] for key in ("dc_uncompensated", "n_trajectory") if key in stats},
         "per_learner": stats["learners"],
         "loss_curve": stats["loss_curve"],
         "config": asdict(cfg),

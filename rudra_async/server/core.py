@@ -343,6 +343,7 @@ class ServerCore:
             },
             "rejected": dict(self.rejected),
             **({"dc_uncompensated": self.dc_uncompensated} if self.config.dc_lambda else {}),
+            **self.protocol.statistics(),
             **({"loss_curve": make_loss_curve(self.losses)} if loss_curve else {}),
         }
 

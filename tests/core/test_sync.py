@@ -3,7 +3,7 @@
 import pytest
 
 from rudra_async import ConfigError
-from rudra_async.sync import Async, Backup, Bounded, Gradient, Hardsync, Softsync
+from rudra_async.sync import AdaptiveSoftsync, Async, Backup, Bounded, Gradient, Hardsync, Softsync
 
 
 def members(proto, *ids):
@@ -245,3 +245,58 @@ def test_bounded_leaver_unblocks_the_held():
 def test_invalid_parameters(make):
     with pytest.raises(ConfigError):
         make()
+
+
+def round_robin(proto, lam, pushes):
+    """λ learners pushing in turn, each on the weights it got with its last reply (softsync
+    answers at once). The σ of every gradient applied, in update order."""
+    members(proto, *range(lam))
+    stamp = dict.fromkeys(range(lam), 0)
+    sigmas = []
+    turn = 0
+    while len(sigmas) < pushes:
+        learner = turn % lam
+        turn += 1
+        clock = proto.clock
+        decision = proto.push(Gradient(learner, stamp[learner]))
+        for k, batch in enumerate(decision.updates):
+            sigmas += [clock + k - g.stamp for g in batch]
+        stamp[learner] = proto.clock
+    return sigmas
+
+
+@pytest.mark.parametrize("target", [1, 3, 6])
+def test_adaptive_softsync_steers_its_n_until_the_mean_staleness_is_in_the_target_band(target):
+    proto = AdaptiveSoftsync(target)
+    sigmas = round_robin(proto, 12, 4000)
+    late = sigmas[-AdaptiveSoftsync.WINDOW * 4 :]
+    assert abs(sum(late) / len(late) - target) <= AdaptiveSoftsync.BAND * target
+    assert proto.trajectory[0] == (0, int(target + 1.5))
+    assert [n for _, n in proto.trajectory] == [n for _, n in sorted(proto.trajectory)]  # in clock order
+    assert proto.statistics() == {"n_trajectory": [list(p) for p in proto.trajectory]}
+    assert proto.describe() == {"protocol": "adaptive", "n": proto.n, "staleness_target": float(target)}
+
+
+def test_adaptive_softsync_decides_only_at_the_end_of_a_window_and_by_the_documented_rule():
+    proto = AdaptiveSoftsync(1.0)  # n starts at 2: c = 8 of λ = 16, σ ≈ 1
+    assert proto.n == 2
+    members(proto, *range(16))
+    for _ in range(AdaptiveSoftsync.WINDOW - 1):  # every gradient of the window 6 updates stale
+        for learner in range(proto.c):
+            proto.push(Gradient(learner, max(0, proto.clock - 6)))
+    assert proto.n == 2 and proto.clock == AdaptiveSoftsync.WINDOW - 1
+    stamps = [max(0, proto.clock - 6)] * proto.c
+    for learner, stamp in enumerate(stamps):
+        proto.push(Gradient(learner, stamp))
+    # the window's mean σ m: 6 but for the first updates' smaller σ (stamps clipped at 0)
+    sigmas = [min(6, t) for t in range(AdaptiveSoftsync.WINDOW)]
+    mean = sum(sigmas) / len(sigmas)
+    clock = AdaptiveSoftsync.WINDOW
+    assert proto.n == max(1, int(2 * 1.0 / mean + 0.5)) == 1
+    assert proto.trajectory == [(0, 2), (clock, 1)]
+
+
+def test_adaptive_softsync_refuses_a_bad_target():
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ConfigError):
+            AdaptiveSoftsync(bad)

@@ -214,3 +214,18 @@ def test_a_diverging_simulated_run_is_recorded_with_its_refusals_rather_than_fai
     result = run(simulate(cfg))
     assert result["rejected"].get("gradient_outlier", 0) > 0
     assert result["test_error"] > 0.5 and result["dc_uncompensated"] >= 0
+
+
+def test_an_adaptive_softsync_run_reports_the_trajectory_of_its_n():
+    cfg = TrainConfig(
+        learners=8,
+        epochs=4,
+        learner=LearnerOptions(batch_size=8, model="linear"),
+        server=ServerConfig(protocol="adaptive", staleness_target=2.0, lr=0.05),
+    )
+    result = run(simulate(cfg))
+    trajectory = result["n_trajectory"]
+    assert trajectory[0] == [0, 3] and len(trajectory) > 1  # ⌊2 + 3/2⌋, then steered
+    assert all(1 <= n <= 8 for _, n in trajectory)
+    assert 1.0 <= result["staleness_mean"] <= 3.0
+    assert result["test_accuracy"] > 0.8
