@@ -1,0 +1,195 @@
+"""A discrete-event model of a run's wall time, from measured costs (docs/study/runtime_model.md).
+
+λ learners and one server share ``cores`` CPU cores, processor-sharing: whatever is running
+at a moment (a learner computing or exchanging, the server handling a push) gets
+min(1, cores/running) of a core. A learner's step is its compute (``compute_s`` of CPU for
+one mini-batch), then its side of the exchange (``client_s`` of CPU, half before its push
+leaves, half after the reply arrives), each message ``latency_s`` on the wire. The server is
+one thread: pushes queue and are handled in arrival order, each costing ``server_s`` of CPU,
+and the push that completes an update also its update, ``update_s + (c − 1)·combine_s``.
+The protocol decides when an update is made and when a push is answered: ``async``
+(c = 1, answered after its update), ``softsync`` (c = max(1, ⌊λ/n⌋), answered at once),
+``hardsync`` (c = λ, every push of a round answered after the round's update).
+
+:func:`simulate` runs it for a number of updates and returns updates/s, samples/s and the
+mean staleness. Nothing here measures; ``benchmarks/runtime_model.py`` calibrates the costs
+on the machine at hand and validates the model against real runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What one step costs, in seconds (CPU seconds but for ``latency_s``)."""
+
+    compute_s: float  # a learner's forward and backward on one mini-batch
+    client_s: float  # a learner's side of one push+pull
+    server_s: float  # the server's handling of one push, update excluded
+    update_s: float  # the server's update with one gradient
+    combine_s: float = 0.0  # each further gradient of an update
+    latency_s: float = 0.0  # one message on the wire
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value >= 0:
+                raise ConfigError(f"runtime model: {name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    updates_per_s: float
+    samples_per_s: float
+    staleness_mean: float
+    wall_s: float
+
+
+def gradients_per_update(protocol: str, learners: int, n: int | None = None) -> int:
+    """c for ``protocol`` with λ = ``learners``."""
+    if protocol == "async":
+        return 1
+    if protocol == "hardsync":
+        return learners
+    if protocol == "softsync":
+        return max(1, learners // (n or 1))
+    raise ConfigError(f"the runtime model knows async, softsync and hardsync, not {protocol!r}")
+
+
+class _Cpu:
+    """Processor sharing: jobs (owner → CPU seconds left) run at min(1, cores/running) each."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = cores
+        self.left: dict[Any, float] = {}
+
+    def rate(self) -> float:
+        return min(1.0, self.cores / len(self.left)) if self.left else 1.0
+
+    def next_done(self) -> float:
+        """Seconds until the first job ends (inf: none runs)."""
+        return min(self.left.values()) / self.rate() if self.left else float("inf")
+
+    def advance(self, dt: float) -> list[Any]:
+        """Run every job for ``dt`` seconds; the owners whose jobs ended."""
+        work = dt * self.rate()
+        done = []
+        for owner in list(self.left):
+            self.left[owner] -= work
+            if self.left[owner] <= 1e-12:
+                del self.left[owner]
+                done.append(owner)
+        return done
+
+
+def simulate(
+    costs: Costs,
+    learners: int,
+    protocol: str = "async",
+    *,
+    cores: float,
+    batch_size: int,
+    n: int | None = None,
+    updates: int = 2000,
+) -> Prediction:
+    """The steady state of a run of ``learners`` homogeneous learners (the first tenth of the
+    updates is left out of the rates, as a start-up)."""
+    if learners < 1 or cores <= 0 or updates < 10:
+        raise ConfigError("runtime model: needs learners >= 1, cores > 0 and updates >= 10")
+    c = gradients_per_update(protocol, learners, n)
+    cpu = _Cpu(cores)
+    timers: list[tuple[float, int, Any]] = []  # (time, order, event)
+    order = itertools.count()
+    now = 0.0
+    clock = 0  # the server's update clock
+    stamp = [0] * learners  # the clock of the weights each learner computes on
+    phase = ["compute"] * learners
+    queue: deque[int] = deque()  # pushes waiting for the server
+    serving: int | None = None  # the learner whose push the server handles
+    held: list[tuple[int, int]] = []  # (learner, its gradient's stamp) of the update being gathered
+    sigmas: list[int] = []
+    marks: list[tuple[float, int, int]] = []  # (time, clock, gradients) after each update
+    gradients = 0
+
+    def start(owner: Any, seconds: float) -> None:
+        if seconds > 0:
+            cpu.left[owner] = seconds
+        else:
+            heapq.heappush(timers, (now, next(order), ("done", owner)))
+
+    def after(delay: float, event: Any) -> None:
+        heapq.heappush(timers, (now + delay, next(order), event))
+
+    def reply(learner: int) -> None:
+        stamp[learner] = clock
+        after(costs.latency_s, ("arrive", learner))
+
+    def serve_next() -> None:
+        nonlocal serving
+        if serving is None and queue:
+            serving = queue.popleft()
+            completes = len(held) + 1 == c
+            work = costs.server_s + (costs.update_s + (c - 1) * costs.combine_s if completes else 0.0)
+            start("server", work)
+
+    for i in range(learners):
+        start(i, costs.compute_s)
+    while clock < updates:
+        dt = min(cpu.next_done(), (timers[0][0] - now) if timers else float("inf"))
+        if dt == float("inf"):
+            raise RuntimeError("runtime model: nothing left to happen (a protocol deadlock)")
+        now += dt
+        ended = cpu.advance(dt)
+        while timers and timers[0][0] <= now + 1e-15:
+            _, _, event = heapq.heappop(timers)
+            kind, who = event
+            if kind == "done":
+                ended.append(who)
+            elif kind == "push":
+                queue.append(who)
+            else:  # "arrive": the reply reached the learner
+                phase[who] = "receive"
+                start(who, costs.client_s / 2)
+        for owner in ended:
+            if owner == "server":
+                learner, serving = serving, None
+                assert learner is not None
+                held.append((learner, stamp[learner]))
+                gradients += 1
+                if len(held) == c:  # the update
+                    sigmas.extend(clock - j for _, j in held)
+                    clock += 1
+                    marks.append((now, clock, gradients))
+                    for g in [g for g, _ in held] if protocol != "softsync" else [learner]:
+                        reply(g)
+                    held = []
+                elif protocol == "softsync":
+                    reply(learner)
+                serve_next()
+            elif phase[owner] == "compute":
+                phase[owner] = "send"
+                start(owner, costs.client_s / 2)
+            elif phase[owner] == "send":
+                phase[owner] = "wait"
+                after(costs.latency_s, ("push", owner))
+            else:  # "receive" ended: the next step
+                phase[owner] = "compute"
+                start(owner, costs.compute_s)
+        serve_next()
+    skip = len(marks) // 10
+    t0, clock0, grads0 = marks[skip]
+    t1, clock1, grads1 = marks[-1]
+    span = t1 - t0
+    return Prediction(
+        updates_per_s=(clock1 - clock0) / span,
+        samples_per_s=(grads1 - grads0) * batch_size / span,
+        staleness_mean=sum(sigmas[skip * c :]) / max(1, len(sigmas[skip * c :])),
+        wall_s=now,
+    )

@@ -1,0 +1,65 @@
+"""The runtime model (rudra_async.runs.runtime_model) against cases whose answer is known by
+hand: one learner (everything in series), learners bound by the cores, by the server, and
+hardsync's rounds."""
+
+import pytest
+
+from rudra_async.errors import ConfigError
+from rudra_async.runs.runtime_model import Costs, gradients_per_update, simulate
+
+
+def test_one_learner_runs_every_cost_in_series():
+    costs = Costs(compute_s=0.010, client_s=0.002, server_s=0.001, update_s=0.003, latency_s=0.0005)
+    got = simulate(costs, 1, "async", cores=2, batch_size=32, updates=500)
+    period = 0.010 + 0.002 + 0.001 + 0.003 + 2 * 0.0005
+    assert got.updates_per_s == pytest.approx(1 / period, rel=1e-6)
+    assert got.samples_per_s == pytest.approx(32 / period, rel=1e-6)
+    assert got.staleness_mean == 0
+
+
+def test_learners_with_a_core_each_scale_and_see_the_others_updates_as_staleness():
+    costs = Costs(compute_s=0.010, client_s=0.0, server_s=0.0001, update_s=0.0001)
+    one = simulate(costs, 1, "async", cores=64, batch_size=1)
+    eight = simulate(costs, 8, "async", cores=64, batch_size=1)
+    assert eight.samples_per_s / one.samples_per_s == pytest.approx(8, rel=0.03)
+    assert eight.staleness_mean == pytest.approx(7, abs=0.1)  # λ − 1
+
+
+def test_more_learners_than_cores_share_them():
+    costs = Costs(compute_s=0.010, client_s=0.0, server_s=0.0, update_s=0.0)
+    got = simulate(costs, 4, "async", cores=2, batch_size=1)
+    assert got.samples_per_s == pytest.approx(2 / 0.010, rel=0.01)  # two cores' worth of compute
+
+
+def test_a_busy_server_bounds_the_updates():
+    costs = Costs(compute_s=0.001, client_s=0.0, server_s=0.004, update_s=0.006)
+    got = simulate(costs, 16, "async", cores=100, batch_size=1)
+    assert got.updates_per_s == pytest.approx(1 / 0.010, rel=0.01)
+
+
+def test_hardsync_rounds_wait_for_every_push_and_one_update():
+    costs = Costs(compute_s=0.010, client_s=0.002, server_s=0.001, update_s=0.003, combine_s=0.0005)
+    got = simulate(costs, 4, "hardsync", cores=100, batch_size=8, updates=300)
+    # the pushes of a round arrive together and are handled one after another; the last one's
+    # handling includes the update of 4 gradients
+    period = 0.010 + 0.001 + 4 * 0.001 + 0.003 + 3 * 0.0005 + 0.001
+    assert got.updates_per_s == pytest.approx(1 / period, rel=1e-6)
+    assert got.samples_per_s == pytest.approx(4 * 8 / period, rel=1e-6)
+    assert got.staleness_mean == 0
+
+
+def test_softsync_makes_an_update_of_c_gradients_and_answers_at_once():
+    costs = Costs(compute_s=0.010, client_s=0.0, server_s=0.0001, update_s=0.0001)
+    got = simulate(costs, 8, "softsync", n=2, cores=64, batch_size=1)
+    assert gradients_per_update("softsync", 8, 2) == 4
+    assert got.samples_per_s / got.updates_per_s == pytest.approx(4, rel=0.01)
+    # in lockstep, of each 4 pushes the first 3 are answered with the clock before their update
+    # and the 4th after it: their next gradients are 2, 2, 2 and 1 updates stale
+    assert got.staleness_mean == pytest.approx(1.75, abs=0.05)
+
+
+def test_bad_costs_and_protocols_are_refused():
+    with pytest.raises(ConfigError):
+        Costs(compute_s=-1, client_s=0, server_s=0, update_s=0)
+    with pytest.raises(ConfigError):
+        simulate(Costs(0.01, 0, 0, 0), 2, "bounded", cores=2, batch_size=1)
