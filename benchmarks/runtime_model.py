@@ -1,31 +1,41 @@
 """The runtime model (rudra_async.runs.runtime_model): calibrated here, validated against real
 runs, then used to predict speedup against λ.
 
-1. **Calibration** (a few seconds): the costs of one step of ``--model`` on ``--dataset`` at
+1. **Calibration** (under a minute): the costs of one step of ``--model`` on ``--dataset`` at
    mini-batch ``--batch-size``, measured on this machine: a learner's compute (forward,
    backward, loss; one torch thread), a ``DistributedOptimizer.step`` against a real server
    process over ``--transport`` (the learner's CPU for it, the server process's CPU per push,
-   the wall time left over as latency), and the update kernel with 1 and 4 gradients.
-2. **Validation**: real ``rudra-async train`` runs (server and λ learner processes) for every
-   λ in ``--lambdas`` and protocol in ``--protocols``, each against the model's prediction
-   for this machine's cores: updates/s and samples/s, and the error of each.
+   the wall time left over as latency), and the update kernel with 1 and 4 gradients. Then
+   two short real runs (as in 2.): one learner, whose step time scales the CPU costs (the
+   parts measured alone miss the learner loop's own work), and 2 asynchronous learners,
+   whose samples/s gives the switch cost (``Costs.switch_s``) by bisection. These two points
+   are marked as calibration in the validation table; the others are predictions.
+2. **Validation**: real ``rudra-async train`` runs (server and λ learner processes, one torch
+   thread each, as the model's learners) for every λ in ``--lambdas`` and protocol in
+   ``--protocols``, each against the model's prediction for this machine's cores: updates/s
+   and samples/s, and the error of each.
 3. **Prediction**: speedup over λ = 1 for λ up to ``--predict-to``, one core per learner and
    one for the server (the paper's setting), per protocol.
 
     python benchmarks/runtime_model.py [--model mlp] [--dataset digits] [--batch-size 16]
-        [--epochs 10] [--lambdas 1,2,4] [--protocols async,hardsync] [--transport tcp]
-        [--predict-to 64] [--no-validate] [--json FILE]
+        [--epochs 60] [--lambdas 1,2,4] [--protocols async,hardsync] [--transport tcp]
+        [--predict-to 64] [--no-validate] [--json FILE] [--plot DIR]
+
+With ``--plot DIR``: ``DIR/runtime_validation.png`` (measured and predicted samples/s against
+λ on this machine) and ``DIR/runtime_speedup.png`` (the predicted speedup curves next to the
+paper's reported 22–28× at 30 learners).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,11 +46,16 @@ from update_threads import SERVER  # the same server process as the (a0) end-to-
 from rudra_async.kernels import SGD, make_updater
 from rudra_async.learner import data as datasets
 from rudra_async.learner.evaluation import build_model
-from rudra_async.runs.runtime_model import Costs, simulate
+from rudra_async.runs.runtime_model import Costs, gradients_per_update, simulate
 from rudra_async.server.store import usable_cores
 from rudra_async.torch import DistributedOptimizer
 
 STEPS = 400  # measured steps of the calibration (after 50 unmeasured)
+#: train's progress line: the updates of the last second and the learners connected
+PROGRESS = re.compile(r"updates +\d+ \( *(\d+)/s\).*learners (\d+)")
+CPU_PARTS = ("compute_s", "client_s", "server_s", "update_s", "combine_s")
+#: the validation points the calibration used
+CALIBRATION_POINTS = {("async", 1), ("async", 2)}
 
 
 def compute_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int) -> float:
@@ -97,6 +112,24 @@ def update_seconds(size: int) -> tuple[float, float]:
     return one, max(0.0, (four - one) / 3)
 
 
+def fitted(args: argparse.Namespace, costs: Costs, cores: int) -> Costs:
+    """``costs`` with its CPU parts scaled to one real learner's step time, and the switch
+    cost that makes 2 asynchronous learners as fast as a real run of them."""
+    one = measure(args, 1, "async")["samples_per_s"]
+    model = simulate(costs, 1, "async", cores=cores, batch_size=args.batch_size).samples_per_s
+    k = model / one
+    costs = replace(costs, **{name: k * getattr(costs, name) for name in CPU_PARTS})
+    two = measure(args, 2, "async")["samples_per_s"]
+    low, high = 0.0, 0.02
+    for _ in range(30):  # the model slows monotonically as the switch costs more
+        mid = (low + high) / 2
+        fast = simulate(replace(costs, switch_s=mid), 2, "async", cores=cores, batch_size=args.batch_size)
+        low, high = (mid, high) if fast.samples_per_s > two else (low, mid)
+    print(f"  scaled by {k:.3f} to one real learner ({one:,.0f} samples/s); switch_s {1e3 * low:.3f} ms "
+          f"(2 asynchronous learners: {two:,.0f} samples/s)")  # fmt: skip
+    return replace(costs, switch_s=low)
+
+
 def calibrate(args: argparse.Namespace) -> Costs:
     torch.set_num_threads(1)
     dataset = datasets.load(args.dataset)
@@ -112,23 +145,33 @@ def calibrate(args: argparse.Namespace) -> Costs:
     print(
         f"calibration ({args.model} on {args.dataset}, μ = {args.batch_size}, {size:,} parameters, {args.transport}):"
     )
+    if not args.no_validate:  # real runs are allowed
+        costs = fitted(args, costs, usable_cores())
     for name, value in vars(costs).items():
         print(f"  {name:10s} {1e3 * value:8.3f} ms")
     return costs
 
 
 def measure(args: argparse.Namespace, learners: int, protocol: str) -> dict:
-    """A real run: ``rudra-async train`` with λ learner processes; its updates/s and samples/s."""
-    with tempfile.TemporaryDirectory() as tmp:
-        results = Path(tmp) / "results.json"
-        subprocess.run(
-            [sys.executable, "-m", "rudra_async", "train", "-l", str(learners), "--protocol", protocol,
-             "-b", str(args.batch_size), "--epochs", str(args.epochs), "--model", args.model,
-             "--dataset", args.dataset, "--transport", args.transport, "--quiet", "--results", str(results)],
-            check=True, capture_output=True, timeout=1800,
-        )  # fmt: skip
-        found = json.loads(results.read_text())
-    return {"updates_per_s": found["updates"] / found["train_s"], "samples_per_s": found["samples_per_s"]}
+    """A real run: ``rudra-async train`` with λ learner processes (one torch thread each). Its
+    steady state: the median of the server's per-second update counts (train's progress lines)
+    over the seconds when all λ learners were connected and updates were made, the first and
+    last left out (the learners start and end at different times); samples/s = updates/s × c × μ."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "rudra_async", "train", "-l", str(learners), "--protocol", protocol,
+         "-b", str(args.batch_size), "--epochs", str(args.epochs), "--model", args.model,
+         "--dataset", args.dataset, "--transport", args.transport, "--threads", "1"],
+        check=True, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    found = [(int(m.group(1)), int(m.group(2))) for m in PROGRESS.finditer(proc.stdout + proc.stderr)]
+    rates = [rate for rate, connected in found if connected == learners and rate > 0]  # 0: still loading
+    if len(rates) < 3:
+        raise SystemExit(f"λ = {learners} {protocol}: under 3 s with every learner; give more --epochs")
+    updates = statistics.median(rates[1:-1])
+    return {
+        "updates_per_s": updates,
+        "samples_per_s": updates * gradients_per_update(protocol, learners) * args.batch_size,
+    }
 
 
 def validate(args: argparse.Namespace, costs: Costs) -> list[dict]:
@@ -146,7 +189,8 @@ def validate(args: argparse.Namespace, costs: Costs) -> list[dict]:
             err_s = pred.samples_per_s / got["samples_per_s"] - 1
             rows.append({"protocol": protocol, "learners": lam, **got, "predicted_updates_per_s": pred.updates_per_s,
                          "predicted_samples_per_s": pred.samples_per_s})  # fmt: skip
-            print(f"| {protocol} | {lam} | {got['updates_per_s']:,.0f} | {pred.updates_per_s:,.0f} | {err_u:+.0%} "
+            used = " (calibration)" if (protocol, lam) in CALIBRATION_POINTS else ""
+            print(f"| {protocol} | {lam}{used} | {got['updates_per_s']:,.0f} | {pred.updates_per_s:,.0f} | {err_u:+.0%} "
                   f"| {got['samples_per_s']:,.0f} | {pred.samples_per_s:,.0f} | {err_s:+.0%} |")  # fmt: skip
     return rows
 
@@ -172,12 +216,59 @@ def predict(args: argparse.Namespace, costs: Costs) -> dict:
     return {"lambdas": lambdas, "speedup": curves}
 
 
+#: the paper's reported speedup with 30 learners (../shared/PAPER.md): 22–28×
+PAPER_SPEEDUP = (30, 22.0, 28.0)
+
+
+def plot(directory: str, rows: list[dict], curves: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if rows:
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+        for protocol in dict.fromkeys(r["protocol"] for r in rows):
+            mine = [r for r in rows if r["protocol"] == protocol]
+            lams = [r["learners"] for r in mine]
+            line = ax.plot(
+                lams, [r["predicted_samples_per_s"] for r in mine], marker="o", label=f"{protocol}, predicted"
+            )
+            ax.plot(lams, [r["samples_per_s"] for r in mine], marker="x", linestyle="--", color=line[0].get_color(),
+                    label=f"{protocol}, measured")  # fmt: skip
+        ax.set_xlabel("learners λ (this machine's cores)")
+        ax.set_ylabel("samples/s")
+        ax.set_title("Runtime model against real runs")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "runtime_validation.png")
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for protocol, speedup in curves["speedup"].items():
+        ax.plot(curves["lambdas"], speedup, marker="o", label=f"{protocol}, predicted")
+    lam, low, high = PAPER_SPEEDUP
+    ax.errorbar([lam], [(low + high) / 2], yerr=[[(high - low) / 2]], fmt="s", color="black", capsize=4,
+                label="the paper, 30 learners")  # fmt: skip
+    ax.plot(curves["lambdas"], curves["lambdas"], color="gray", linestyle=":", label="linear")
+    ax.set_xlabel("learners λ (one core each, one for the server)")
+    ax.set_ylabel("speedup in samples/s over λ = 1")
+    ax.set_title("Predicted speedup")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "runtime_speedup.png")
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--dataset", default="digits")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--epochs", type=float, default=10)
+    ap.add_argument("--epochs", type=float, default=60)
     ap.add_argument("--lambdas", default="1,2,4")
     ap.add_argument("--protocols", default="async,hardsync")
     ap.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
@@ -185,12 +276,15 @@ def main() -> None:
     ap.add_argument("--predict-to", type=int, default=64)
     ap.add_argument("--no-validate", action="store_true")
     ap.add_argument("--json", help="write the costs, the validation and the predictions here")
+    ap.add_argument("--plot", metavar="DIR", help="draw the validation and the predicted speedup there")
     args = ap.parse_args()
     costs = calibrate(args)
     rows = [] if args.no_validate else validate(args, costs)
     curves = predict(args, costs)
     if args.json:
         Path(args.json).write_text(json.dumps({"costs": vars(costs), "validation": rows, **curves}, indent=1))
+    if args.plot:
+        plot(args.plot, rows, curves)
 
 
 if __name__ == "__main__":

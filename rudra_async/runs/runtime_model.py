@@ -2,7 +2,10 @@
 
 λ learners and one server share ``cores`` CPU cores, processor-sharing: whatever is running
 at a moment (a learner computing or exchanging, the server handling a push) gets
-min(1, cores/running) of a core. A learner's step is its compute (``compute_s`` of CPU for
+min(1, cores/running) of a core. A message that wakes a process (a push reaching the
+server, a reply reaching its learner) while anything else runs costs the woken side
+``switch_s`` more: it cannot take over the core its sender just left (on a VM, an interrupt
+to another virtual CPU; a cold cache). A learner's step is its compute (``compute_s`` of CPU for
 one mini-batch), then its side of the exchange (``client_s`` of CPU, half before its push
 leaves, half after the reply arrives), each message ``latency_s`` on the wire. The server is
 one thread: pushes queue and are handled in arrival order, each costing ``server_s`` of CPU,
@@ -37,6 +40,7 @@ class Costs:
     update_s: float  # the server's update with one gradient
     combine_s: float = 0.0  # each further gradient of an update
     latency_s: float = 0.0  # one message on the wire
+    switch_s: float = 0.0  # waking a process while another runs
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -118,7 +122,9 @@ def simulate(
     marks: list[tuple[float, int, int]] = []  # (time, clock, gradients) after each update
     gradients = 0
 
-    def start(owner: Any, seconds: float) -> None:
+    def start(owner: Any, seconds: float, woken: bool = False) -> None:
+        if woken and cpu.left:
+            seconds += costs.switch_s
         if seconds > 0:
             cpu.left[owner] = seconds
         else:
@@ -137,7 +143,7 @@ def simulate(
             serving = queue.popleft()
             completes = len(held) + 1 == c
             work = costs.server_s + (costs.update_s + (c - 1) * costs.combine_s if completes else 0.0)
-            start("server", work)
+            start("server", work, woken=True)
 
     for i in range(learners):
         start(i, costs.compute_s)
@@ -156,7 +162,7 @@ def simulate(
                 queue.append(who)
             else:  # "arrive": the reply reached the learner
                 phase[who] = "receive"
-                start(who, costs.client_s / 2)
+                start(who, costs.client_s / 2, woken=True)
         for owner in ended:
             if owner == "server":
                 learner, serving = serving, None

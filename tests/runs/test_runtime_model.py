@@ -63,3 +63,14 @@ def test_bad_costs_and_protocols_are_refused():
         Costs(compute_s=-1, client_s=0, server_s=0, update_s=0)
     with pytest.raises(ConfigError):
         simulate(Costs(0.01, 0, 0, 0), 2, "bounded", cores=2, batch_size=1)
+
+
+def test_a_message_that_wakes_a_process_while_another_runs_pays_the_switch():
+    free = Costs(compute_s=0.010, client_s=0.0, server_s=0.001, update_s=0.0)
+    switching = Costs(compute_s=0.010, client_s=0.0, server_s=0.001, update_s=0.0, switch_s=0.002)
+    alone = simulate(switching, 1, cores=2, batch_size=1)  # nothing else runs when it wakes
+    assert alone.samples_per_s == pytest.approx(simulate(free, 1, cores=2, batch_size=1).samples_per_s)
+    # 2 learners with a core each: the other one computes whenever a push or a reply wakes
+    # the server or its learner, so each step pays twice
+    two = simulate(switching, 2, cores=100, batch_size=1)
+    assert two.samples_per_s == pytest.approx(2 / (0.010 + 0.001 + 2 * 0.002), rel=0.02)
