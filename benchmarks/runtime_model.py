@@ -112,20 +112,19 @@ def update_seconds(size: int) -> tuple[float, float]:
     return one, max(0.0, (four - one) / 3)
 
 
-def fitted(args: argparse.Namespace, costs: Costs, cores: int) -> Costs:
-    """``costs`` with its CPU parts scaled to one real learner's step time, and the switch
-    cost that makes 2 asynchronous learners as fast as a real run of them."""
-    one = measure(args, 1, "async")["samples_per_s"]
-    model = simulate(costs, 1, "async", cores=cores, batch_size=args.batch_size).samples_per_s
-    k = model / one
+def fitted(args: argparse.Namespace, costs: Costs, measured: dict, cores: int) -> Costs:
+    """``costs`` with its CPU parts scaled so that one learner runs as fast as the real ones
+    did, and the switch cost that makes 2 asynchronous learners as fast as theirs (bisection:
+    the model slows monotonically as the switch costs more)."""
+    one, two = measured[("async", 1)]["samples_per_s"], measured[("async", 2)]["samples_per_s"]
+    k = simulate(costs, 1, "async", cores=cores, batch_size=args.batch_size).samples_per_s / one
     costs = replace(costs, **{name: k * getattr(costs, name) for name in CPU_PARTS})
-    two = measure(args, 2, "async")["samples_per_s"]
     low, high = 0.0, 0.02
-    for _ in range(30):  # the model slows monotonically as the switch costs more
+    for _ in range(30):
         mid = (low + high) / 2
         fast = simulate(replace(costs, switch_s=mid), 2, "async", cores=cores, batch_size=args.batch_size)
         low, high = (mid, high) if fast.samples_per_s > two else (low, mid)
-    print(f"  scaled by {k:.3f} to one real learner ({one:,.0f} samples/s); switch_s {1e3 * low:.3f} ms "
+    print(f"  fitted: CPU costs × {k:.3f} (one learner: {one:,.0f} samples/s), switch_s {1e3 * low:.3f} ms "
           f"(2 asynchronous learners: {two:,.0f} samples/s)")  # fmt: skip
     return replace(costs, switch_s=low)
 
@@ -145,11 +144,25 @@ def calibrate(args: argparse.Namespace) -> Costs:
     print(
         f"calibration ({args.model} on {args.dataset}, μ = {args.batch_size}, {size:,} parameters, {args.transport}):"
     )
-    if not args.no_validate:  # real runs are allowed
-        costs = fitted(args, costs, usable_cores())
+    show(costs)
+    return costs
+
+
+def show(costs: Costs) -> None:
     for name, value in vars(costs).items():
         print(f"  {name:10s} {1e3 * value:8.3f} ms")
-    return costs
+
+
+def measure_all(args: argparse.Namespace) -> dict:
+    """The median of ``--reps`` real runs at every point of the validation (the two
+    calibration points among them), in alternating rounds."""
+    points = [(p, lam) for p in args.protocols.split(",") for lam in (int(v) for v in args.lambdas.split(","))]
+    points += [point for point in sorted(CALIBRATION_POINTS) if point not in points]
+    runs: dict = {point: [] for point in points}
+    for _ in range(args.reps):
+        for protocol, lam in points:
+            runs[(protocol, lam)].append(measure(args, lam, protocol))
+    return {point: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for point, rs in runs.items()}
 
 
 def measure(args: argparse.Namespace, learners: int, protocol: str) -> dict:
@@ -174,24 +187,21 @@ def measure(args: argparse.Namespace, learners: int, protocol: str) -> dict:
     }
 
 
-def validate(args: argparse.Namespace, costs: Costs) -> list[dict]:
+def validate(args: argparse.Namespace, costs: Costs, measured: dict) -> list[dict]:
     cores = usable_cores()
     rows = []
     print(f"\nvalidation on this machine ({cores} cores): measured (median of {args.reps}) vs predicted")
     print("| protocol | λ | updates/s measured | predicted | error | samples/s measured | predicted | error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for protocol in args.protocols.split(","):
-        for lam in (int(v) for v in args.lambdas.split(",")):
-            runs = [measure(args, lam, protocol) for _ in range(args.reps)]
-            got = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-            pred = simulate(costs, lam, protocol, cores=cores, batch_size=args.batch_size)
-            err_u = pred.updates_per_s / got["updates_per_s"] - 1
-            err_s = pred.samples_per_s / got["samples_per_s"] - 1
-            rows.append({"protocol": protocol, "learners": lam, **got, "predicted_updates_per_s": pred.updates_per_s,
-                         "predicted_samples_per_s": pred.samples_per_s})  # fmt: skip
-            used = " (calibration)" if (protocol, lam) in CALIBRATION_POINTS else ""
-            print(f"| {protocol} | {lam}{used} | {got['updates_per_s']:,.0f} | {pred.updates_per_s:,.0f} | {err_u:+.0%} "
-                  f"| {got['samples_per_s']:,.0f} | {pred.samples_per_s:,.0f} | {err_s:+.0%} |")  # fmt: skip
+    for (protocol, lam), got in measured.items():
+        pred = simulate(costs, lam, protocol, cores=cores, batch_size=args.batch_size)
+        err_u = pred.updates_per_s / got["updates_per_s"] - 1
+        err_s = pred.samples_per_s / got["samples_per_s"] - 1
+        rows.append({"protocol": protocol, "learners": lam, **got, "predicted_updates_per_s": pred.updates_per_s,
+                     "predicted_samples_per_s": pred.samples_per_s})  # fmt: skip
+        used = " (calibration)" if (protocol, lam) in CALIBRATION_POINTS else ""
+        print(f"| {protocol} | {lam}{used} | {got['updates_per_s']:,.0f} | {pred.updates_per_s:,.0f} | {err_u:+.0%} "
+              f"| {got['samples_per_s']:,.0f} | {pred.samples_per_s:,.0f} | {err_s:+.0%} |")  # fmt: skip
     return rows
 
 
@@ -272,14 +282,19 @@ def main() -> None:
     ap.add_argument("--lambdas", default="1,2,4")
     ap.add_argument("--protocols", default="async,hardsync")
     ap.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
-    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--predict-to", type=int, default=64)
     ap.add_argument("--no-validate", action="store_true")
     ap.add_argument("--json", help="write the costs, the validation and the predictions here")
     ap.add_argument("--plot", metavar="DIR", help="draw the validation and the predicted speedup there")
     args = ap.parse_args()
     costs = calibrate(args)
-    rows = [] if args.no_validate else validate(args, costs)
+    rows = []
+    if not args.no_validate:
+        measured = measure_all(args)
+        costs = fitted(args, costs, measured, usable_cores())
+        show(costs)
+        rows = validate(args, costs, measured)
     curves = predict(args, costs)
     if args.json:
         Path(args.json).write_text(json.dumps({"costs": vars(costs), "validation": rows, **curves}, indent=1))
