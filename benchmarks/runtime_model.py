@@ -206,21 +206,24 @@ def validate(args: argparse.Namespace, costs: Costs, measured: dict) -> list[dic
 
 
 def predict(args: argparse.Namespace, costs: Costs) -> dict:
-    """Speedup over λ = 1 with one core per learner and one for the server."""
+    """Speedup over λ = 1 with one core per learner and one for the server, with this
+    machine's switch cost and without it (a host whose wake-ups cost nothing: the bound)."""
     lambdas = [lam for lam in (1, 2, 4, 8, 16, 30, 32, 64) if lam <= args.predict_to]
-    protocols = args.protocols.split(",")
+    variants = {p: costs for p in args.protocols.split(",")}
+    variants.update({f"{p}, no switch": replace(costs, switch_s=0.0) for p in args.protocols.split(",")})
     curves: dict[str, list[float]] = {}
-    base = simulate(costs, 1, "async", cores=2, batch_size=args.batch_size).samples_per_s
     print("\npredicted speedup in samples/s over one learner, one core per learner and one for the server:")
-    print("| λ | " + " | ".join(protocols) + " |")
-    print("| --- |" + " --- |" * len(protocols))
+    print("| λ | " + " | ".join(variants) + " |")
+    print("| --- |" + " --- |" * len(variants))
     for lam in lambdas:
         row = []
-        for protocol in protocols:
+        for name, variant in variants.items():
+            protocol = name.split(",")[0]
+            base = simulate(variant, 1, "async", cores=2, batch_size=args.batch_size).samples_per_s
             pred = simulate(
-                costs, lam, protocol, cores=lam + 1, batch_size=args.batch_size, updates=max(2000, 40 * lam)
+                variant, lam, protocol, cores=lam + 1, batch_size=args.batch_size, updates=max(2000, 40 * lam)
             )
-            curves.setdefault(protocol, []).append(pred.samples_per_s / base)
+            curves.setdefault(name, []).append(pred.samples_per_s / base)
             row.append(f"{pred.samples_per_s / base:.1f}×")
         print(f"| {lam} | " + " | ".join(row) + " |")
     return {"lambdas": lambdas, "speedup": curves}
