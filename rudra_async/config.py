@@ -145,12 +145,13 @@ class ServerConfig:
         "Delay compensation (DC-ASGD): each gradient g computed on θ_j is applied as g + λ·g⊙g⊙(θ_now − θ_j) "
         "(0: off; docs/protocols.md).",
         low=0,
+        high=1e6,
     )
     dc_history: int = setting(
         8,
-        "Delay compensation: weight versions kept; a gradient staler than this is applied uncompensated "
+        "Delay compensation: weight versions kept; a gradient with σ >= this is applied uncompensated "
         "(memory: up to this + 1 copies of the weights).",
-        low=1,
+        low=2,
         high=1024,
     )
     lr_decay_at: tuple[float, ...] = setting(

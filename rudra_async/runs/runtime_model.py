@@ -2,10 +2,11 @@
 
 λ learners and one server share ``cores`` CPU cores, processor-sharing: whatever is running
 at a moment (a learner computing or exchanging, the server handling a push) gets
-min(1, cores/running) of a core. A message that wakes a process (a push reaching the
-server, a reply reaching its learner) while anything else runs costs the woken side
-``switch_s`` more: it cannot take over the core its sender just left (on a VM, an interrupt
-to another virtual CPU; a cold cache). A learner's step is its compute (``compute_s`` of CPU for
+min(1, cores/running) of a core. The server's handling of a push, and a learner's taking of
+its reply, cost ``switch_s`` more when they start while another process runs: the process
+cannot take over the core its sender just left (on a VM, an interrupt to another virtual
+CPU; a cold cache). (The server is charged for every push it handles so, also for pushes
+that waited in its queue: a simplification the calibration's fit absorbs.) A learner's step is its compute (``compute_s`` of CPU for
 one mini-batch), then its side of the exchange (``client_s`` of CPU, half before its push
 leaves, half after the reply arrives), each message ``latency_s`` on the wire. The server is
 one thread: pushes queue and are handled in arrival order, each costing ``server_s`` of CPU,
@@ -193,6 +194,8 @@ def simulate(
     t0, clock0, grads0 = marks[skip]
     t1, clock1, grads1 = marks[-1]
     span = t1 - t0
+    if span <= 0:
+        raise ConfigError("runtime model: every cost is 0, so a run takes no time")
     return Prediction(
         updates_per_s=(clock1 - clock0) / span,
         samples_per_s=(grads1 - grads0) * batch_size / span,

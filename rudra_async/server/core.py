@@ -240,7 +240,7 @@ class ServerCore:
         self._departed: collections.deque[int] = collections.deque()
         self._weights_bound = 0.0  # ≥ max |θ| (exact after a check, grows by each update's bound)
         self._momentum_bound = 0.0  # ≥ max |v|
-        self._weights_ever = 0.0  # ≥ max |θ| of every kept version (delay compensation's bound)
+        self._bound_at: dict[int, float] = {}  # clock -> a bound of max |θ| then (delay compensation's versions)
         self.dc_uncompensated = 0  # gradients applied without delay compensation (σ beyond the history)
         self._last_steps: tuple[tuple[float, ...], Sequence[Group], SGD] | None = None  # see _steps
         self._shared_memory = shared_memory
@@ -778,7 +778,7 @@ class ServerCore:
             self._on_failure,
             history=self.config.dc_history if self.config.dc_lambda else 0,
         )
-        self._weights_bound = self._weights_ever = max_abs(self.store.weights)
+        self._weights_bound = max_abs(self.store.weights)
         return self.store
 
     def _decide(self, decision: Decision) -> None:
@@ -838,7 +838,7 @@ class ServerCore:
         )
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
         bases = store.versions([g.stamp for g in batch]) if cfg.dc_lambda else None
-        magnitudes = self._magnitudes(pendings, bases)
+        magnitudes = self._magnitudes(pendings, [g.stamp for g in batch], bases, clock)
         weights_bound, momentum_bound = self._bounds(magnitudes, scales, worst)  # the largest group's rates bound all
         grads = [p.grad for p in pendings]
         releases = [p.frame.release for p in pendings]  # once the update has read the gradients
@@ -857,7 +857,6 @@ class ServerCore:
                 self.reject("update_not_finite")
                 p.refuse("update_not_finite", message)
             return
-        self._weights_ever = max(self._weights_ever, self._weights_bound)
         if bases is not None:
             self.dc_uncompensated += sum(1 for s, base in zip(sigmas, bases) if s > 0 and base is None)
         self.samples = min(self.samples + samples, MAX_RUN_SAMPLES)
@@ -887,17 +886,27 @@ class ServerCore:
             self._last_steps = (key, steps, SGD(lr, momentum, decay, cfg.nesterov))
         return self._last_steps[1], self._last_steps[2]
 
-    def _magnitudes(self, pendings: list[PendingGradient], bases: list[np.ndarray | None] | None) -> list[float]:
-        """A bound on max |g| of each gradient as the update uses it, and on every intermediate
-        value of its delay compensation (``bases``: the kept versions it is compensated with):
-        |g ⊙ g ⊙ (θ_t − θ_j)| ≤ m²·2W with W a bound on max |θ| of every kept version."""
+    def _magnitudes(
+        self, pendings: list[PendingGradient], stamps: list[int], bases: list[np.ndarray | None] | None, clock: int
+    ) -> list[float]:
+        """A bound on max |g| of each gradient as the update at ``clock`` uses it, and on every
+        intermediate value of its delay compensation (``bases``: the kept version each is
+        compensated with, or None): |g ⊙ g ⊙ (θ_t − θ_j)| ≤ m²·(W_t + W_j), W_j the bound of
+        max |θ| recorded at clock j (kept for the versions' span only)."""
         if bases is None:
             return [p.magnitude for p in pendings]
-        lam, width = self.config.dc_lambda, 2 * self._weights_ever
+        self._bound_at[clock] = self._weights_bound
+        for j in [j for j in self._bound_at if j <= clock - self.config.dc_history]:
+            del self._bound_at[j]
+        lam = float(np.float32(self.config.dc_lambda))  # as the kernel rounds it
         found = []
-        for p, base in zip(pendings, bases):
+        for p, stamp, base in zip(pendings, stamps, bases):
             m = p.magnitude
-            term = m * m * width if base is not None else 0.0
+            if base is None:
+                found.append(m)
+                continue
+            width = self._weights_bound + self._bound_at.get(stamp, math.inf)
+            term = m * m * width
             found.append(math.inf if max(m * m, width, term, term * lam) > SAFE_MAGNITUDE else m + lam * term)
         return found
 

@@ -160,3 +160,31 @@ def test_compensation_on_the_update_thread_equals_the_inline_one(monkeypatch, ke
     assert not np.array_equal(inline.weights, w0)
     threaded.close()
     background.close()
+
+
+async def test_the_overflow_bound_of_compensated_gradients_recovers_after_a_check():
+    """The bound of a compensated gradient grows with every update (it compounds through the
+    weights' bound) until an update takes the checked path, which makes the weights' bound
+    exact again; the bound then uses the weights' bounds at the gradient's two clocks, so after
+    the kept versions' span the updates go the fast way again (a bound over every version ever
+    kept would send every later update to the check). The weights follow the documented steps."""
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal(30).astype(np.float32)
+    pushes = [(max(0, clock - clock % 3), rng.standard_normal(30).astype(np.float32)) for clock in range(400)]
+    layout = Layout.from_shapes([("w", (30,))])
+    settings = {"kernel": "numpy", "protocol": "async", "lr_policy": "constant", "lr": 0.1, "momentum": 0.9}
+    async with run_server(**settings, dc_lambda=2.0) as ps:
+        client = await Client.connect(ps.addresses[0], layout, w0)
+        store = ps.core.store
+        apply, checked = store.apply, []
+
+        def counting(*args, **kwargs):
+            checked.append(kwargs.get("check", False))
+            return apply(*args, **kwargs)
+
+        store.apply = counting
+        served = [(await client.push_pull(g, stamp)).array.copy() for stamp, g in pushes]
+        await client.close()
+    assert len(checked) == 400 and 0 < sum(checked) <= 40  # 11 here; 212 with a bound over every version ever kept
+    expected = [w for w, _ in reference_weights(w0, pushes, 0.1, 0.9, 0.0, 2.0, 8)]
+    assert all(np.array_equal(a, b) for a, b in zip(served, expected))
