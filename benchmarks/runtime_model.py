@@ -81,7 +81,6 @@ def exchange_costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bat
         address = server.stdout.readline().strip() if server.stdout else ""
         opt = DistributedOptimizer(model, address, threads=None)
         idx = torch.arange(batch)
-        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
         cpu = wall = 0.0
         for i in range(50 + STEPS):
             opt.zero_grad()
@@ -251,14 +250,8 @@ def plot(directory: str, rows: list[dict], curves: dict) -> None:
             )
             ax.plot(lams, [r["samples_per_s"] for r in mine], marker="x", linestyle="--", color=line[0].get_color(),
                     label=f"{protocol}, measured")  # fmt: skip
-        ax.set_xlabel("learners λ (this machine's cores)")
-        ax.set_ylabel("samples/s")
-        ax.set_title("Runtime model against real runs")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "runtime_validation.png")
-        plt.close(fig)
+        _save(plt, fig, ax, out / "runtime_validation.png", "learners λ (this machine's cores)", "samples/s",
+              "Runtime model against real runs")  # fmt: skip
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
     for protocol, speedup in curves["speedup"].items():
         ax.plot(curves["lambdas"], speedup, marker="o", label=f"{protocol}, predicted")
@@ -266,13 +259,19 @@ def plot(directory: str, rows: list[dict], curves: dict) -> None:
     ax.errorbar([lam], [(low + high) / 2], yerr=[[(high - low) / 2]], fmt="s", color="black", capsize=4,
                 label="the paper, 30 learners")  # fmt: skip
     ax.plot(curves["lambdas"], curves["lambdas"], color="gray", linestyle=":", label="linear")
-    ax.set_xlabel("learners λ (one core each, one for the server)")
-    ax.set_ylabel("speedup in samples/s over λ = 1")
-    ax.set_title("Predicted speedup")
+    _save(plt, fig, ax, out / "runtime_speedup.png", "learners λ (one core each, one for the server)",
+          "speedup in samples/s over λ = 1", "Predicted speedup")  # fmt: skip
+
+
+def _save(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label, legend, grid and write one figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "runtime_speedup.png")
+    fig.savefig(path)
     plt.close(fig)
 
 

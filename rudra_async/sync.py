@@ -171,11 +171,15 @@ class Softsync(SyncProtocol):
         return {"protocol": self.name, "n": self.n}
 
     def _take_full_batches(self) -> list[list[Gradient]]:
-        batches = []
+        batches: list[list[Gradient]] = []
         while self.pending and len(self.pending) >= self.c:
-            batches.append(self.pending[: self.c])
-            self.pending = self.pending[self.c :]
+            batch, self.pending = self.pending[: self.c], self.pending[self.c :]
+            batches.append(batch)
+            self._batched(batch, self.clock + len(batches) - 1)
         return batches
+
+    def _batched(self, batch: list[Gradient], clock: int) -> None:
+        """``batch`` makes the update at ``clock`` (a hook; c may change after it)."""
 
     def on_push(self, grad: Gradient) -> Decision:
         self.pending.append(grad)
@@ -224,15 +228,7 @@ class AdaptiveSoftsync(Softsync):
         super().start_at(clock)
         self.trajectory = [(clock, self.n)]
 
-    def _take_full_batches(self) -> list[list[Gradient]]:
-        batches: list[list[Gradient]] = []
-        while self.pending and len(self.pending) >= self.c:
-            batch, self.pending = self.pending[: self.c], self.pending[self.c :]
-            batches.append(batch)
-            self._observe(batch, self.clock + len(batches) - 1)  # the update's clock t
-        return batches
-
-    def _observe(self, batch: list[Gradient], clock: int) -> None:
+    def _batched(self, batch: list[Gradient], clock: int) -> None:
         """Count the σ of an update's gradients; decide n at the end of each window."""
         self._sigmas += sum(clock - g.stamp for g in batch)
         self._gradients += len(batch)

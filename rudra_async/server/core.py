@@ -837,8 +837,13 @@ class ServerCore:
             tuple(rate(clock, epoch, samples or None, base=r) * boost for r in self.rates), momentum
         )
         scales = [self.lr_policy.factor(s) / c for s in sigmas]
-        bases = store.versions([g.stamp for g in batch]) if cfg.dc_lambda else None
-        magnitudes = self._magnitudes(pendings, [g.stamp for g in batch], bases, clock)
+        bases = None
+        if cfg.dc_lambda:
+            bases = store.versions([g.stamp for g in batch])
+            self._bound_at[clock] = self._weights_bound  # θ_t's, for later gradients stamped t
+            for j in [j for j in self._bound_at if j <= clock - cfg.dc_history]:
+                del self._bound_at[j]
+        magnitudes = self._magnitudes(pendings, [g.stamp for g in batch], bases)
         weights_bound, momentum_bound = self._bounds(magnitudes, scales, worst)  # the largest group's rates bound all
         grads = [p.grad for p in pendings]
         releases = [p.frame.release for p in pendings]  # once the update has read the gradients
@@ -887,17 +892,14 @@ class ServerCore:
         return self._last_steps[1], self._last_steps[2]
 
     def _magnitudes(
-        self, pendings: list[PendingGradient], stamps: list[int], bases: list[np.ndarray | None] | None, clock: int
+        self, pendings: list[PendingGradient], stamps: list[int], bases: list[np.ndarray | None] | None
     ) -> list[float]:
-        """A bound on max |g| of each gradient as the update at ``clock`` uses it, and on every
-        intermediate value of its delay compensation (``bases``: the kept version each is
-        compensated with, or None): |g ⊙ g ⊙ (θ_t − θ_j)| ≤ m²·(W_t + W_j), W_j the bound of
-        max |θ| recorded at clock j (kept for the versions' span only)."""
+        """A bound on max |g| of each gradient as the update uses it, and on every intermediate
+        value of its delay compensation (``bases``: the kept version each is compensated with,
+        or None): |g ⊙ g ⊙ (θ_t − θ_j)| ≤ m²·(W_t + W_j), W_j the bound of max |θ| recorded at
+        clock j (:attr:`_bound_at`, kept for the versions' span only)."""
         if bases is None:
             return [p.magnitude for p in pendings]
-        self._bound_at[clock] = self._weights_bound
-        for j in [j for j in self._bound_at if j <= clock - self.config.dc_history]:
-            del self._bound_at[j]
         lam = float(np.float32(self.config.dc_lambda))  # as the kernel rounds it
         found = []
         for p, stamp, base in zip(pendings, stamps, bases):
