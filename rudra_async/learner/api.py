@@ -36,6 +36,11 @@ then one more update stale. The weights are double-buffered and the exchange kee
 gradient tensors it sends (the parameters' ``.grad`` is None after such a step; zero for a
 model on a device), so nothing is copied. A gradient the server refused is raised by the
 next step(), once.
+
+A gradient the server refuses as an outlier (``gradient_outlier``: its max |g| far above
+the run's recent ones, as one small mini-batch's spike can be) is lost and the learner goes
+on from the server's weights (counted in :attr:`refused`, with a warning); 20 such refusals
+in a row raise a LearnerError (a diverging model). Every other refusal is raised.
 """
 
 from __future__ import annotations
@@ -96,6 +101,13 @@ def trainable_parameters(
     if left_out:
         raise LearnerError(f"parameter(s) {', '.join(left_out)} require grad but are in no group of the optimizer")
     return ordered, groups
+
+
+#: the server's refusals of one gradient that a learner goes on after (from the server's
+#: weights; the gradient is lost): an outlier may be one mini-batch's spike
+SKIPPED_REFUSALS = ("gradient_outlier",)
+#: ... unless this many come in a row (a diverging model)
+MAX_REFUSED_IN_A_ROW = 20
 
 
 def refuse_sparse(model: nn.Module, named: Sequence[tuple[str, nn.Parameter]]) -> None:
@@ -216,6 +228,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps = 0  # step() calls
         self.pushes = 0  # gradients the server accepted (not refused because the run was over)
         self.reconnects = 0
+        self.refused = 0  # gradients the server refused as outliers (the learner went on)
+        self._refused_in_a_row = 0
         self.stopped = False
         self._said_over = False  # the warning that step() no longer trains was given
         self._inner = optimizer
@@ -429,8 +443,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             weights = self.client.push_pull(grads, stamp, step, samples, loss, lr)
             self.pushes += 1
+            self._refused_in_a_row = 0
             return weights
         except RemoteError as exc:
+            if exc.code in SKIPPED_REFUSALS:
+                return self._refused(exc)
             if exc.code != "stopped":
                 raise
         except TransportError as exc:  # a server shutting down says why (PeerGone with its reason)
@@ -441,6 +458,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self.client.pull()
         except (RemoteError, TransportError):
             return None
+
+    def _refused(self, refusal: RemoteError) -> Weights:
+        """The server refused this gradient as an outlier (one mini-batch's spike, or the start
+        of a divergence): go on from the server's weights, warning now and then; the
+        :data:`MAX_REFUSED_IN_A_ROW`-th refusal in a row is a LearnerError."""
+        self.refused += 1
+        self._refused_in_a_row += 1
+        if self._refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+            raise LearnerError(
+                f"the server refused {self._refused_in_a_row} gradients in a row ({refusal}): training is "
+                "diverging; lower the learning rate (or raise the server's --grad-outlier-factor)"
+            )
+        if self.refused == 1 or self.refused % 100 == 0:
+            log.warning(
+                "the server refused a gradient (%s; %d so far): going on from its weights", refusal, self.refused
+            )
+        return self.client.pull()
 
     def _reconnect(self, lost: Exception, stamp: Stamp) -> Weights:
         """Reach the server again (for up to ``reconnect`` seconds) and take the run's state."""

@@ -87,6 +87,7 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
         "learner_id": learner_id,
         "steps": opt.pushes,
         "reconnects": opt.reconnects,
+        "refused": opt.refused,
         "last_loss": last_loss,
         "test_accuracy": None,
         "wall_s": time.monotonic() - started,

@@ -144,6 +144,32 @@ def test_a_refused_gradient_is_raised_once_and_training_goes_on(overlap):
         np.testing.assert_array_equal(model.weight.detach().numpy(), ps.weights()["weight"])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_outlier_gradient_is_lost_and_training_goes_on_but_a_run_of_them_ends_it(overlap):
+    """One mini-batch's spike refused as gradient_outlier (found with MNIST-5k at μ = 4, where
+    it ended both learners of a healthy run) costs that gradient only: step() goes on from the
+    server's weights and counts it; MAX_REFUSED_IN_A_ROW in a row are a diverging model."""
+    from rudra_async.learner.api import MAX_REFUSED_IN_A_ROW
+
+    with server_thread(protocol="async", lr=0.01, kernel="numpy", grad_outlier_factor=10.0) as ps:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = rt.DistributedOptimizer(model, ps.addresses[0], overlap=overlap)
+        for i in range(40):  # 32 accepted gradients arm the check
+            opt.zero_grad()
+            backward(model, 1e4 if i == 35 else 1.0)
+            assert opt.step(samples=8)
+        assert opt.refused == 1 and ps.stats()["rejected"] == {"gradient_outlier": 1}
+        with pytest.raises(LearnerError, match=f"refused {MAX_REFUSED_IN_A_ROW} gradients in a row"):
+            for _ in range(MAX_REFUSED_IN_A_ROW + 2):
+                opt.zero_grad()
+                backward(model, 1e4)
+                opt.step(samples=8)
+        opt.close()
+        assert ps.clock == opt.pushes  # each accepted gradient one update, the refused none
+    assert opt.refused == MAX_REFUSED_IN_A_ROW + 1
+
+
 def test_an_optimizer_that_failed_or_closed_leaves_no_hooks_and_no_buffers():
     """Every DistributedOptimizer hooks the model's parameters and binds them to a flat buffer
     of its own. One whose server is not up, or that is closed, must take its hooks away and
