@@ -299,7 +299,15 @@ def main() -> None:
         rows = validate(args, costs, measured)
     curves = predict(args, costs)
     if args.json:
-        Path(args.json).write_text(json.dumps({"costs": vars(costs), "validation": rows, **curves}, indent=1))
+        measured_at = {
+            "batch_size": args.batch_size,
+            "model": args.model,
+            "dataset": args.dataset,
+            "transport": args.transport,
+        }
+        Path(args.json).write_text(
+            json.dumps({"costs": vars(costs), **measured_at, "validation": rows, **curves}, indent=1)
+        )
     if args.plot:
         plot(args.plot, rows, curves)
 

@@ -1,5 +1,6 @@
 """Settings where training is known to fail: the rule behind the warnings that ``server``,
-``train`` and ``launch`` give at start (docs/own_training.md#guard-rails).
+``train`` and ``launch`` give at start (docs/own_training.md#guard-rails), and behind the
+candidates ``rudra-async advise`` excludes (rudra_async.runs.advise).
 
 Asynchronous learners compute on weights σ updates old. With momentum β, a stale gradient's
 step is repeated by the momentum buffer for about 1/(1 − β) updates after the learner's

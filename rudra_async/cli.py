@@ -280,6 +280,124 @@ def study(spec: str, output: str | None, no_report: bool) -> None:
     click.echo(str(out / "report.md") if not no_report else str(out / "results.jsonl"))
 
 
+#: what ``advise`` chooses: train's flags for them are not advise's
+ADVISED = ("protocol", "n", "lr_policy", "staleness_target", "overlap")
+
+
+@main.command()
+@click_options(TrainConfig, exclude=(*TrainConfig.SET_BY_RUN, *ADVISED))
+@click.option("--batch-sizes", default=None, help="μ to choose among, comma-separated (default: --batch-size).")
+@click.option(
+    "--policies",
+    default="compensated,staleness,mean-staleness,constant",
+    show_default=True,
+    help="LR policies to choose among, comma-separated.",
+)
+@click.option("--target-error", type=float, default=None, help="Want: the fastest run with at most this test error.")
+@click.option("--budget-s", type=float, default=None, help="Want: the lowest error predicted within this many seconds.")
+@click.option(
+    "--tolerance",
+    type=float,
+    default=0.01,
+    show_default=True,
+    help="Without a target or budget: the fastest run within this of the lowest test error.",
+)
+@click.option(
+    "--costs",
+    "costs_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Measured costs (JSON of benchmarks/runtime_model.py --json); without them nothing is timed.",
+)
+@click.option(
+    "--cores",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Cores the run will have (default: this host's).",
+)
+@click.option(
+    "--evidence", multiple=True, type=click.Path(dir_okay=False), help="A study's results.jsonl (repeatable)."
+)
+@click.option(
+    "--sweep",
+    "sweep_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Simulate the allowed candidates with no evidence; results go to DIR/results.jsonl (resumed).",
+)
+@click.option(
+    "--seeds", type=click.IntRange(min=1), default=1, show_default=True, help="Seeds per candidate in --sweep."
+)
+@click.option(
+    "--with-overlap",
+    is_flag=True,
+    help="Candidates with --overlap too (their --sweep runs are real processes: a simulation cannot overlap).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the advice as JSON.")
+def advise(
+    batch_sizes: str | None,
+    policies: str,
+    target_error: float | None,
+    budget_s: float | None,
+    tolerance: float,
+    costs_path: str | None,
+    cores: float | None,
+    evidence: tuple[str, ...],
+    sweep_dir: str | None,
+    seeds: int,
+    with_overlap: bool,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Recommend protocol, n, μ and LR policy for the run these flags describe: every candidate
+    screened by the start-up warnings' rule, timed by the runtime model, and judged by the test
+    errors of recorded (or swept) runs (docs/study/advise.md)."""
+    from .runs.advise import advise as run_advise
+
+    logging.getLogger("rudra_async.server").setLevel(logging.WARNING)
+    try:
+        if target_error is not None and budget_s is not None:
+            raise ConfigError("give --target-error or --budget-s, not both")
+        objective, value = ("target_error", target_error) if target_error is not None else ("budget_s", budget_s)
+        out = run_advise(
+            _config(TrainConfig, kwargs, (*TrainConfig.SET_BY_RUN, *ADVISED)),
+            batch_sizes=_integers(batch_sizes, "--batch-sizes") if batch_sizes else None,
+            policies=[p.strip() for p in policies.split(",") if p.strip()],
+            objective=objective if value is not None else "best",
+            value=value,
+            tolerance=tolerance,
+            costs_path=costs_path,
+            cores=cores,
+            evidence=evidence,
+            sweep_dir=sweep_dir,
+            seeds=seeds,
+            overlap=with_overlap,
+            progress=_say,
+        )
+    except RudraError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in out.items() if k != "table"}, indent=1))
+        return
+    click.echo(out["table"])
+    rec = out["recommendation"]
+    if rec is None:
+        click.echo(f"\nno recommendation: {out['reason']}")
+        return
+    timed = f", predicted {rec['predicted_runtime_s']:.1f} s" if rec["predicted_runtime_s"] is not None else ""
+    click.echo(
+        f"\nrecommended ({out['reason']}): test error {rec['test_error']:.4f} over {rec['runs']} runs{timed}\n"
+        f"  {rec['command']}"
+    )
+
+
+def _integers(text: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
 @main.command()
 @click.argument("address")
 @click.option("--json", "as_json", is_flag=True, help="Print one snapshot as JSON and exit.")

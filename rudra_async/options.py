@@ -411,3 +411,22 @@ def _click_parse(parse: Callable[[Any], Any], value: Any) -> Any:
 def _flag(name: str, f: dataclasses.Field[Any]) -> str:
     """The command-line flag of setting ``name``."""
     return str(f.metadata.get("flag") or "--" + name.replace("_", "-"))
+
+
+def command_line(obj: Any, exclude: Iterable[str] = ()) -> list[str]:
+    """The flags that set ``obj``'s scalar settings (numbers, strings, switches) that differ
+    from their defaults, in declaration order (``click_options``' flags; lists and mappings
+    are not given)."""
+    args: list[str] = []
+    defaults = to_flat(type(obj)())
+    values = to_flat(obj)
+    for name, (_, f, tp) in flat_fields(type(obj), exclude).items():
+        inner, _ = _unwrap_optional(tp)
+        value = values[name]
+        if not f.metadata.get("cli", True) or value == defaults[name] or value is None:
+            continue
+        if inner is bool:
+            args.append(_flag(name, f) if value else f"--no-{_flag(name, f)[2:]}")
+        elif inner in (int, float, str) and not f.metadata.get("parse"):
+            args += [_flag(name, f), f"{value:g}" if isinstance(value, float) else str(value)]
+    return args

@@ -13,7 +13,9 @@ one thread: pushes queue and are handled in arrival order, each costing ``server
 and the push that completes an update also its update, ``update_s + (c − 1)·combine_s``.
 The protocol decides when an update is made and when a push is answered: ``async``
 (c = 1, answered after its update), ``softsync`` (c = max(1, ⌊λ/n⌋), answered at once),
-``hardsync`` (c = λ, every push of a round answered after the round's update).
+``hardsync`` (c = λ, every push of a round answered after the round's update). With
+``overlap`` (train's ``--overlap``) a learner computes its next gradient while its exchange
+runs and pushes it when that exchange is over.
 
 :func:`simulate` runs it for a number of updates and returns updates/s, samples/s and the
 mean staleness. Nothing here measures; ``benchmarks/runtime_model.py`` calibrates the costs
@@ -103,9 +105,12 @@ def simulate(
     batch_size: int,
     n: int | None = None,
     updates: int = 2000,
+    overlap: bool = False,
 ) -> Prediction:
     """The steady state of a run of ``learners`` homogeneous learners (the first tenth of the
-    updates is left out of the rates, as a start-up)."""
+    updates is left out of the rates, as a start-up). ``overlap``: each learner computes its
+    next gradient, on the weights it has, while its exchange runs (its compute and its
+    exchange are two jobs on the CPU), and pushes it once that exchange is over."""
     if learners < 1 or cores <= 0 or updates < 10:
         raise ConfigError("runtime model: needs learners >= 1, cores > 0 and updates >= 10")
     c = gradients_per_update(protocol, learners, n)
@@ -114,8 +119,12 @@ def simulate(
     order = itertools.count()
     now = 0.0
     clock = 0  # the server's update clock
-    stamp = [0] * learners  # the clock of the weights each learner computes on
-    phase = ["compute"] * learners
+    stamp = [0] * learners  # the clock of the last weights each learner received
+    computing_on = [0] * learners  # the clock of the weights its compute uses
+    pushed = [0] * learners  # the clock of the weights its gradient in flight was computed on
+    exchanging = [False] * learners
+    ready = [False] * learners  # overlap: a gradient waits for the exchange in flight
+    sending = [False] * learners  # its exchange's CPU is the half before the push (else after the reply)
     queue: deque[int] = deque()  # pushes waiting for the server
     serving: int | None = None  # the learner whose push the server handles
     held: list[tuple[int, int]] = []  # (learner, its gradient's stamp) of the update being gathered
@@ -134,6 +143,18 @@ def simulate(
     def after(delay: float, event: Any) -> None:
         heapq.heappush(timers, (now + delay, next(order), event))
 
+    def compute(learner: int) -> None:
+        computing_on[learner] = stamp[learner]
+        start(learner, costs.compute_s)
+
+    def launch(learner: int) -> None:
+        """The learner's gradient just computed starts its exchange (overlap: and the next compute)."""
+        exchanging[learner], sending[learner] = True, True
+        pushed[learner] = computing_on[learner]
+        start(("exchange", learner), costs.client_s / 2)
+        if overlap:
+            compute(learner)
+
     def reply(learner: int) -> None:
         stamp[learner] = clock
         after(costs.latency_s, ("arrive", learner))
@@ -147,7 +168,7 @@ def simulate(
             start("server", work, woken=True)
 
     for i in range(learners):
-        start(i, costs.compute_s)
+        compute(i)
     while clock < updates:
         dt = min(cpu.next_done(), (timers[0][0] - now) if timers else float("inf"))
         if dt == float("inf"):
@@ -162,13 +183,12 @@ def simulate(
             elif kind == "push":
                 queue.append(who)
             else:  # "arrive": the reply reached the learner
-                phase[who] = "receive"
-                start(who, costs.client_s / 2, woken=True)
+                start(("exchange", who), costs.client_s / 2, woken=True)
         for owner in ended:
             if owner == "server":
                 learner, serving = serving, None
                 assert learner is not None
-                held.append((learner, stamp[learner]))
+                held.append((learner, pushed[learner]))
                 gradients += 1
                 if len(held) == c:  # the update
                     sigmas.extend(clock - j for _, j in held)
@@ -180,15 +200,23 @@ def simulate(
                 elif protocol == "softsync":
                     reply(learner)
                 serve_next()
-            elif phase[owner] == "compute":
-                phase[owner] = "send"
-                start(owner, costs.client_s / 2)
-            elif phase[owner] == "send":
-                phase[owner] = "wait"
-                after(costs.latency_s, ("push", owner))
-            else:  # "receive" ended: the next step
-                phase[owner] = "compute"
-                start(owner, costs.compute_s)
+            elif isinstance(owner, int):  # a compute ended
+                if exchanging[owner]:
+                    ready[owner] = True
+                else:
+                    launch(owner)
+            else:
+                learner = owner[1]
+                if sending[learner]:  # the push leaves
+                    sending[learner] = False
+                    after(costs.latency_s, ("push", learner))
+                else:  # the reply is taken: the exchange is over
+                    exchanging[learner] = False
+                    if not overlap:
+                        compute(learner)
+                    elif ready[learner]:
+                        ready[learner] = False
+                        launch(learner)
         serve_next()
     skip = len(marks) // 10
     t0, clock0, grads0 = marks[skip]

@@ -74,3 +74,13 @@ def test_a_message_that_wakes_a_process_while_another_runs_pays_the_switch():
     # the server or its learner, so each step pays twice
     two = simulate(switching, 2, cores=100, batch_size=1)
     assert two.samples_per_s == pytest.approx(2 / (0.010 + 0.001 + 2 * 0.002), rel=0.02)
+
+
+@pytest.mark.parametrize("latency, period", [(0.004, 0.010), (0.008, 0.017)])
+def test_overlap_hides_the_shorter_of_compute_and_exchange_and_adds_one_update_of_staleness(latency, period):
+    costs = Costs(compute_s=0.010, client_s=0.0, server_s=0.001, update_s=0.0, latency_s=latency)
+    alone = simulate(costs, 1, "async", cores=4, batch_size=1, updates=400)
+    assert 1 / alone.updates_per_s == pytest.approx(0.010 + 2 * latency + 0.001, rel=1e-6)
+    got = simulate(costs, 1, "async", cores=4, batch_size=1, updates=400, overlap=True)
+    assert 1 / got.updates_per_s == pytest.approx(period, rel=1e-6)  # max(compute, exchange)
+    assert got.staleness_mean == pytest.approx(1)  # computed on the weights before the last update
