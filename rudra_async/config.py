@@ -558,10 +558,25 @@ class LaunchConfig:
     """One process of a launched job. ``server`` configures every shard server (its listen
     address and shard are set per rank); ``learner`` holds the learners' options."""
 
-    rendezvous: str = setting(help="A directory every task of the job can read and write (shared filesystem).")
+    rendezvous: str | None = setting(
+        None, "A directory every task of the job can read and write (shared filesystem; not with --ray)."
+    )
+    ray: str | None = setting(
+        None,
+        "Run the whole job from here on a Ray cluster: 'auto' (the running one), 'local' (start one here) or its "
+        "address; servers and --world-size minus --servers learners become Ray actors (docs: README, Ray).",
+        metavar="ADDRESS",
+    )
+    server_cpus: float = setting(1.0, "--ray: CPUs each server actor reserves.", low=0)
+    learner_cpus: float = setting(
+        1.0, "--ray: CPUs each learner actor reserves (its torch threads, at least 1).", low=0
+    )
+    learner_gpus: float = setting(0.0, "--ray: GPUs each learner actor reserves (give --device cuda with it).", low=0)
     servers: int = setting(1, "Ranks 0..S-1 serve the S shards; the rest learn.", low=1)
     rank: int | None = setting(None, "This task's rank (default: from Slurm, MPI, torchrun, …).", low=0)
-    world_size: int | None = setting(None, "Tasks in the job (default: from the environment).", low=2)
+    world_size: int | None = setting(
+        None, "Tasks in the job (default: from the environment; with --ray: servers + learners).", low=2
+    )
     job_id: str | None = setting(
         None, "Names this job's files in the rendezvous directory (default: from the environment)."
     )

@@ -267,3 +267,34 @@ async def numpy_learner(url, layout, initial, steps=None, delay=0.0, name=None, 
         if delay:
             await asyncio.sleep(delay * rng.random())
     return client
+
+
+def make_pki(d, address: str = "127.0.0.1") -> dict[str, str]:
+    """In directory ``d``: a throw-away CA, a server/client certificate for ``address`` (and
+    localhost) signed by it, an expired one, and an unrelated CA (openssl on the PATH).
+    Returns their paths by file name."""
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    for ca in ("ca", "other-ca"):
+        openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}")
+    (d / "ext").write_text(f"subjectAltName=IP:{address},DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("req", *ec, "-keyout", "host.key", "-out", "host.csr", "-subj", "/CN=host")
+    sign = [
+        "x509",
+        "-req",
+        "-in",
+        "host.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-extfile",
+        "ext",
+    ]
+    openssl(*sign, "-out", "host.pem", "-days", "2")
+    openssl(*sign, "-out", "expired.pem", "-days", "-1")
+    return {name: str(d / name) for name in ("ca.pem", "other-ca.pem", "host.pem", "host.key", "expired.pem")}

@@ -33,6 +33,7 @@ def test_the_doc_lists_every_public_module():
         "rudra_async.torch",
         "rudra_async.server",
         "rudra_async.monitor",
+        "rudra_async.runs.ray_launch",
     ]
 
 

@@ -5,7 +5,8 @@ Start the same command as every task of a job — ``srun rudra-async launch …`
 role from its rank: ranks 0…S−1 become the S shard servers, the others learners (learner
 index = rank − S). Servers publish their address in a rendezvous directory that every task
 can read (a shared filesystem); learners wait for all S addresses, then train. A server
-ends once every learner of the job has joined and left (or on SIGTERM); the job's results
+ends once every learner of the job has joined and left (one lost rather than gone with a bye
+is waited for --reconnect seconds) or on SIGTERM; the job's results
 are each process's JSON line on stdout.
 """
 
@@ -19,13 +20,16 @@ import socket
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import advice
-from ..config import LaunchConfig, LearnerConfig, LearnerOptions
+from ..config import LaunchConfig, LearnerConfig, LearnerOptions, ServerConfig
 from ..errors import ConfigError, RudraError
 from ..layout import Shard
 from ..transports.base import format_host_port, parse_host_port
+
+if TYPE_CHECKING:
+    from ..server import ParameterServer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,8 @@ def resolve(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> LaunchCon
         raise ConfigError(f"need 1 <= servers < world size (some learners), got {cfg.servers} of {cfg.world_size}")
     if not 0 <= cfg.rank < cfg.world_size:
         raise ConfigError(f"rank {cfg.rank} is outside a world of {cfg.world_size}")
+    if cfg.rendezvous is None:
+        raise ConfigError("give --rendezvous DIR (a directory every task can read), or --ray to run the job on Ray")
     if not os.path.isdir(cfg.rendezvous):
         raise ConfigError(f"rendezvous directory {cfg.rendezvous} does not exist (it must be shared by all tasks)")
     return cfg.validate()
@@ -95,11 +101,17 @@ def learners_of(cfg: LaunchConfig) -> int:
 
 def address_file(cfg: LaunchConfig, shard: int) -> str:
     """Where shard ``shard``'s server publishes its address."""
+    assert cfg.rendezvous is not None and cfg.job_id is not None
     return os.path.join(cfg.rendezvous, f"{cfg.job_id}.shard{shard}.url")
 
 
 def launch(cfg: LaunchConfig) -> dict[str, Any]:
-    """Run this process's role; returns its result (server statistics or learner summary)."""
+    """Run this process's role; returns its result (server statistics or learner summary).
+    With ``cfg.ray``: run the whole job on Ray from here (:func:`.ray_launch.launch_ray`)."""
+    if cfg.ray is not None:
+        from .ray_launch import launch_ray
+
+        return launch_ray(cfg)
     cfg = resolve(cfg)
     assert cfg.rank is not None
     if cfg.rank < cfg.servers:
@@ -111,24 +123,26 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     from ..learner.loop import run_learner
 
     index = cfg.rank - cfg.servers
-    options, passes = learner_share(cfg)
-    urls = wait_for_servers(cfg)
-    server = cfg.server
-    summary = run_learner(
-        LearnerConfig(
-            connect=",".join(urls),
-            index=index,
-            learners=learners_of(cfg),
-            passes=passes,
-            host_learners=tasks_on_this_node(os.environ),
-            options=options,
-            secret_file=server.secret_file,
-            tls_ca=cfg.tls_ca,
-            tls_cert=server.tls_cert if server.tls_client_ca else None,
-            tls_key=server.tls_key if server.tls_client_ca else None,
-        )
-    )
+    summary = run_learner(learner_config(cfg, index, wait_for_servers(cfg), tasks_on_this_node(os.environ)))
     return {"role": "learner", "rank": cfg.rank, "index": index, **summary}
+
+
+def learner_config(cfg: LaunchConfig, index: int, urls: list[str], host_learners: int | None) -> LearnerConfig:
+    """Learner ``index`` of the job, reaching its servers at ``urls`` (in shard order)."""
+    options, passes = learner_share(cfg)
+    server = cfg.server
+    return LearnerConfig(
+        connect=",".join(urls),
+        index=index,
+        learners=learners_of(cfg),
+        passes=passes,
+        host_learners=host_learners,
+        options=options,
+        secret_file=server.secret_file,
+        tls_ca=cfg.tls_ca,
+        tls_cert=server.tls_cert if server.tls_client_ca else None,
+        tls_key=server.tls_key if server.tls_client_ca else None,
+    )
 
 
 def learner_share(cfg: LaunchConfig) -> tuple[LearnerOptions, float | None]:
@@ -150,39 +164,60 @@ async def serve_shard(cfg: LaunchConfig, shard: Shard) -> dict[str, Any]:
     connected for ``cfg.wait`` seconds (a learner that never came), or SIGTERM."""
     from ..server import ParameterServer
 
-    port = cfg.port + shard.index if cfg.port else 0  # shard servers may share a node
-    server_cfg = replace(
-        cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, port)),
-        expected_learners=learners_of(cfg),
-    )
+    server_cfg = shard_server_config(cfg, shard)
     path = address_file(cfg, shard.index)
     async with ParameterServer(server_cfg) as ps:
         ps.close_on_signals()
-        _, port = parse_host_port(ps.addresses[0], "tcp")
-        _publish(path, format_host_port("tcp", cfg.advertise or socket.gethostname(), port))
-        idle_since = time.monotonic()
+        _publish(path, advertised(cfg, ps, socket.gethostname()))
         try:
-            while not ps.closing:
-                learners = {info.name for info in ps.core.learners.values()}  # a reconnect says hello again, same name
-                if any(info.connected for info in ps.core.learners.values()):
-                    idle_since = time.monotonic()
-                elif len(learners) >= learners_of(cfg):
-                    break  # every learner of the job came and went
-                elif time.monotonic() - idle_since > cfg.wait:
-                    log.warning(
-                        "shard %s: %d of %d learners came; none connected for %g s, ending",
-                        shard,
-                        len(learners),
-                        learners_of(cfg),
-                        cfg.wait,
-                    )
-                    break
-                await asyncio.sleep(0.1)
+            await until_learners_left(ps, learners_of(cfg), cfg.wait, shard, cfg.learner.reconnect)
         finally:
             _unpublish(path)
         if ps.failure is not None:
             raise ps.failure
     return ps.stats()
+
+
+def shard_server_config(cfg: LaunchConfig, shard: Shard) -> ServerConfig:
+    """Shard ``shard``'s server: on ``--port`` + its index (0: any free port), expecting the job's learners."""
+    port = cfg.port + shard.index if cfg.port else 0  # shard servers may share a node
+    return replace(
+        cfg.server.for_shard(shard, format_host_port("tcp", cfg.listen_host, port)), expected_learners=learners_of(cfg)
+    )
+
+
+def advertised(cfg: LaunchConfig, ps: ParameterServer, host: str) -> str:
+    """The address learners reach server ``ps`` at: ``--advertise``, else ``host``, on its port."""
+    _, port = parse_host_port(ps.addresses[0], "tcp")
+    return format_host_port("tcp", cfg.advertise or host, port)
+
+
+async def until_learners_left(ps: ParameterServer, learners: int, wait: float, shard: Shard, reconnect: float) -> None:
+    """Return once ``learners`` learners have joined ``ps`` and left (each with a bye, or lost
+    more than ``reconnect`` seconds ago: the learners' --reconnect, within which a lost one
+    may come back), or none has been connected for ``wait`` seconds (a learner that never
+    came), or ``ps`` closes."""
+    idle_since = time.monotonic()
+    lost_since: dict[str, float] = {}
+    while not ps.closing:
+        now = time.monotonic()
+        latest = {info.name: info for info in sorted(ps.core.learners.values(), key=lambda i: i.learner_id)}
+        for name, info in latest.items():  # a reconnect says hello again, same name
+            if info.connected or info.left_cleanly:
+                lost_since.pop(name, None)
+            else:
+                lost_since.setdefault(name, now)
+        may_return = any(now - since <= reconnect for since in lost_since.values())
+        if any(info.connected for info in latest.values()) or may_return:
+            idle_since = now
+        elif len(latest) >= learners:
+            return  # every learner of the job came and went
+        elif now - idle_since > wait:
+            log.warning(
+                "shard %s: %d of %d learners came; none connected for %g s, ending", shard, len(latest), learners, wait
+            )
+            return
+        await asyncio.sleep(0.1)
 
 
 def wait_for_servers(cfg: LaunchConfig) -> list[str]:

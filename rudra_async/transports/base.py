@@ -91,6 +91,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import socket
 import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -110,6 +111,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: a TCP link that stays silent this long (keepalive probes unanswered, or data sent and not
+#: acknowledged) breaks the connection on both ends, so that a cut cable is an error (and a
+#: learner's --reconnect starts) within seconds rather than TCP's ~15 minutes
+LINK_TIMEOUT_S = 15
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S = 5, 2
+
+
+def tune_tcp(sock: socket.socket) -> None:
+    """A TCP socket's options: TCP_NODELAY, and the dead-link detection of
+    :data:`LINK_TIMEOUT_S` (keepalive probes after :data:`KEEPALIVE_IDLE_S` of silence,
+    every :data:`KEEPALIVE_INTERVAL_S`, and TCP_USER_TIMEOUT) where the platform has them."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    probes = (LINK_TIMEOUT_S - KEEPALIVE_IDLE_S) // KEEPALIVE_INTERVAL_S
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", probes), ("TCP_USER_TIMEOUT", LINK_TIMEOUT_S * 1000)):  # fmt: skip
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class Connection(abc.ABC):

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ConnectError, PeerGone, Unreachable, WireError
 from ..wire import Allocator, Frame, FrameReader, Limits, encode_frame
-from .base import format_host_port
+from .base import format_host_port, tune_tcp
 from .core import ConnectionCore
 from .polling import Adaptive
 
@@ -145,11 +145,11 @@ class BlockingConnection:
 def connect_tcp(
     host: str, port: int, url: str, limits: Limits, timeout: float, tls: ssl.SSLContext | None = None
 ) -> BlockingConnection:
-    """A blocking TCP connection (TCP_NODELAY), over TLS with ``tls`` (the certificate checked
+    """A blocking TCP connection (:func:`~.base.tune_tcp`), over TLS with ``tls`` (the certificate checked
     against ``host``); ConnectError at once if refused, or after ``timeout``."""
     with _connecting(url, timeout):
         sock = socket.create_connection((host, port), timeout=timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tune_tcp(sock)
     if tls is not None:
         try:
             sock = tls.wrap_socket(sock, server_hostname=host)

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import ConnectError, ConnectionClosed, PeerGone, Unreachable
 from ..wire import FrameReader, Limits, encode_frame
 from . import offload
-from .base import Connection, OnAccept, OnConnection, ServingListener, format_host_port
+from .base import Connection, OnAccept, OnConnection, ServingListener, format_host_port, tune_tcp
 from .polling import loop_poller
 
 LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
@@ -77,7 +77,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         stream.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_tcp(sock)
         if self._on_made is not None:
             self._on_made(self)
 

@@ -4,13 +4,13 @@ expose a server without one, TLS with throw-away certificates, clear client erro
 import asyncio
 import contextlib
 import signal
-import subprocess
 
 import numpy as np
 import pytest
 from helpers import (
     free_port,
     initial_weights,
+    make_pki,
     read_frame,
     reap,
     run_cli,
@@ -39,32 +39,7 @@ def raw(msg_type, meta, arrays=()):
 def pki(tmp_path_factory):
     """A throw-away CA, a server/client certificate for 127.0.0.1 signed by it, an expired
     one, and an unrelated CA (openssl on the PATH)."""
-    d = tmp_path_factory.mktemp("pki")
-
-    def openssl(*args):
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
-    for ca in ("ca", "other-ca"):
-        openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}")
-    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
-    openssl("req", *ec, "-keyout", "host.key", "-out", "host.csr", "-subj", "/CN=host")
-    sign = [
-        "x509",
-        "-req",
-        "-in",
-        "host.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-extfile",
-        "ext",
-    ]
-    openssl(*sign, "-out", "host.pem", "-days", "2")
-    openssl(*sign, "-out", "expired.pem", "-days", "-1")
-    return {name: str(d / name) for name in ("ca.pem", "other-ca.pem", "host.pem", "host.key", "expired.pem")}
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def tls_server(pki, cert="host.pem", client_ca=None, **kw):
