@@ -184,8 +184,9 @@ def command(intended: TrainConfig, candidate: Candidate) -> str:
 
 
 def train_samples(intended: TrainConfig) -> int | None:
-    """Samples a run of the intended settings processes (epochs × training set), None for --data."""
-    if intended.learner.data:
+    """Samples a run of the intended settings processes (epochs × training set), None for
+    --data or --updates."""
+    if intended.learner.data or intended.updates is not None:
         return None
     from ..learner import data as datasets
 
@@ -215,7 +216,9 @@ def assess(
                             cores=cores, batch_size=c.batch_size, n=c.n, updates=max(1000, 40 * intended.learners),
                             overlap=c.overlap)  # fmt: skip
             row.samples_per_s, row.staleness = pred.samples_per_s, pred.staleness_mean
-            if samples is not None:
+            if intended.updates is not None:
+                row.runtime_s = intended.updates / pred.updates_per_s
+            elif samples is not None:
                 row.runtime_s = samples / pred.samples_per_s
         rows.append(row)
     return rows

@@ -73,6 +73,8 @@ def test_times_come_from_the_runtime_model_with_the_compute_scaled_to_the_batch(
     assert rows[0].samples_per_s == pytest.approx(pred.samples_per_s)
     samples = round(2.0 * len(load("digits").y_train))  # epochs × the training set
     assert rows[0].runtime_s == pytest.approx(samples / pred.samples_per_s)
+    by_updates = adv.assess(intended(updates=500), [rows[0].candidate], [], (COSTS, 16), 2)
+    assert by_updates[0].runtime_s == pytest.approx(500 / pred.updates_per_s)  # --updates: the updates' time
 
 
 def row(error, runtime, excluded=()):
