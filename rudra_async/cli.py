@@ -203,11 +203,14 @@ def _check_writable(path: str) -> None:
 @config_file_options
 def launch(**kwargs: Any) -> None:
     """Run one task of a job started by a cluster engine (srun, mpirun, torchrun, Kubernetes):
-    by its rank, a shard server or a learner. Prints its result as one JSON line."""
+    by its rank, a shard server or a learner; or, with --ray, the whole job on a Ray cluster.
+    Prints its result as one JSON line."""
     from .runs.launch import launch as run_launch
+    from .runs.ray_launch import launch_ray
 
     try:
-        result = run_launch(_config(LaunchConfig, kwargs, LaunchConfig.SET_BY_RUN))
+        cfg = _config(LaunchConfig, kwargs, LaunchConfig.SET_BY_RUN)
+        result = launch_ray(cfg) if cfg.ray is not None else run_launch(cfg)
     except RudraError as exc:
         _fail(exc)
     click.echo(json.dumps(result))

@@ -107,11 +107,7 @@ def address_file(cfg: LaunchConfig, shard: int) -> str:
 
 def launch(cfg: LaunchConfig) -> dict[str, Any]:
     """Run this process's role; returns its result (server statistics or learner summary).
-    With ``cfg.ray``: run the whole job on Ray from here (:func:`.ray_launch.launch_ray`)."""
-    if cfg.ray is not None:
-        from .ray_launch import launch_ray
-
-        return launch_ray(cfg)
+    (A job on Ray is :func:`.ray_launch.launch_ray`'s, from one process.)"""
     cfg = resolve(cfg)
     assert cfg.rank is not None
     if cfg.rank < cfg.servers:
