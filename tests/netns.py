@@ -26,8 +26,8 @@ def unavailable() -> str | None:
     """Why namespaces cannot be made here (None: they can)."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "iproute2 (ip, tc) is not installed"
+    if not all(shutil.which(tool) for tool in ("ip", "tc", "ss")):
+        return "iproute2 (ip, tc, ss) is not installed"
     probe = f"rdvprobe{os.getpid()}"
     try:
         _ip("netns", "add", probe)
@@ -108,6 +108,12 @@ class Hosts:
     def restore(self, learner: int) -> None:
         self._run(self.server, "ip", "link", "set", self._port(learner), "up")
         self._run(self.learners[learner], "ip", "link", "set", "eth0", "up")
+
+    def connections(self, learner: int) -> int:
+        """Established TCP connections from learner ``learner``'s host to the server host."""
+        out = subprocess.run(self.on(self.learners[learner], "ss", "-Htn", "state", "established", "dst", SERVER_ADDRESS),
+                             check=True, capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+        return len(out.splitlines())
 
     @staticmethod
     def _port(learner: int) -> str:

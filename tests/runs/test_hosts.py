@@ -36,13 +36,14 @@ def start_job(hosts: Hosts, tmp_path, learner_args: dict[int, list[str]], *commo
     ]
 
 
-def wait_for_training(tmp_path, procs, timeout: float = 60) -> None:
-    """Until both servers published their addresses and a learner made progress."""
+def wait_for_training(hosts: Hosts, procs, timeout: float = 90) -> None:
+    """Until every learner host has held a connection to each of the two servers for a second."""
     deadline = time.monotonic() + timeout
-    while not all((tmp_path / f"job.shard{i}.url").exists() for i in (0, 1)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the servers did not start"
-        time.sleep(0.2)
-    time.sleep(4)  # the learners connect and train a while
+    held = 0  # checks in a row that found them (a learner's probes of the servers come and go at once)
+    while held < 3:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the learners did not connect"
+        held = held + 1 if all(hosts.connections(i) >= 2 for i in range(len(hosts.learners))) else 0
+        time.sleep(0.5)
 
 
 def finish(procs, timeout: float = 180) -> list[tuple[int, dict | None, str]]:
@@ -63,7 +64,7 @@ def test_a_sharded_job_on_other_hosts_trains_over_1_gbit_links_and_a_cut_link_wi
     break and it reconnects once the link is back; learner 1 trains on meanwhile."""
     with Hosts(2, rate="1gbit") as hosts:
         procs = start_job(hosts, tmp_path, {}, "--epochs", "40", "--batch-size", "32", "--reconnect", "120")
-        wait_for_training(tmp_path, procs)
+        wait_for_training(hosts, procs)
         hosts.cut(0)
         time.sleep(LINK_TIMEOUT_S + 5)
         hosts.restore(0)
@@ -85,7 +86,7 @@ def test_a_link_cut_for_longer_than_reconnect_stops_that_learner_with_a_clear_er
     tls = ["--tls-cert", pki["host.pem"], "--tls-key", pki["host.key"], "--tls-ca", pki["ca.pem"]]
     with Hosts(2, rate="10gbit") as hosts:
         procs = start_job(hosts, tmp_path, {0: ["--reconnect", "3"]}, "--epochs", "60", "--batch-size", "32", *tls)
-        wait_for_training(tmp_path, procs)
+        wait_for_training(hosts, procs)
         hosts.cut(0)
         started = time.monotonic()
         rc = procs[2].wait(timeout=LINK_TIMEOUT_S + 30)
