@@ -142,11 +142,9 @@ def recorded(records: Iterable[dict[str, Any]]) -> list[tuple[dict[str, Any], di
     return out
 
 
-def match(
-    intended: TrainConfig, candidate: Candidate, known: list[tuple[dict[str, Any], dict[str, Any]]]
-) -> list[dict[str, Any]]:
-    """The records (of :func:`recorded`) of ``candidate`` in the intended run (any seed, any mode)."""
-    want = _comparable(point_of(intended, candidate))
+def match(point: dict[str, Any], known: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The records (of :func:`recorded`) of a candidate's ``point`` (:func:`point_of`), any seed, any mode."""
+    want = _comparable(point)
     return [record for record, settings in known if _comparable({k: settings[k] for k in want}) == want]
 
 
@@ -206,9 +204,9 @@ def assess(
     rows = []
     for c in cands:
         row = Row(c)
-        cfg = to_config(point_of(intended, c), validate=False)
-        row.excluded = risks(cfg.server, intended.learners, c.overlap)
-        found = match(intended, c, known)
+        point = point_of(intended, c)
+        row.excluded = risks(to_config(point, validate=False).server, intended.learners, c.overlap)
+        found = match(point, known)
         row.errors = [r["test_error"] for r in found]
         row.evidence = [r["id"] for r in found]
         if costs is not None:
