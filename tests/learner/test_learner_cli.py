@@ -116,6 +116,7 @@ def test_a_layer_without_gradient_is_named_and_the_server_keeps_its_weights(tmp_
         reap(server)
 
 
+@pytest.mark.long
 def test_overlap_adds_one_step_of_staleness_and_digits_still_train(tmp_path):
     """--overlap computes each gradient on weights one learner step older: with one learner
     (async) σ goes from 0 to exactly 1; with two, by about one step of each learner (~2

@@ -4,6 +4,7 @@ with a fixed α0 (``--lr-policy constant``), 8-softsync (⟨σ⟩ ≈ 6) fails t
 
 import json
 
+import pytest
 from helpers import run_cli
 
 
@@ -14,6 +15,7 @@ def train(tmp_path, name, *args):
     return json.loads(out.read_text())
 
 
+@pytest.mark.long
 def test_staleness_aware_lr_rescues_8_softsync(tmp_path):
     hard = train(tmp_path, "hard", "--protocol", "hardsync")
     soft_const = train(tmp_path, "const", "--protocol", "softsync", "--n", "8", "--lr-policy", "constant")

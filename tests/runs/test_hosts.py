@@ -17,7 +17,10 @@ from rudra_async import checkpoint
 from rudra_async.transports.base import LINK_TIMEOUT_S
 
 WHY_NOT = unavailable()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces here: {WHY_NOT}")
+pytestmark = [
+    pytest.mark.long,
+    pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces here: {WHY_NOT}"),
+]
 
 
 def start_job(hosts: Hosts, tmp_path, learner_args: dict[int, list[str]], *common: str) -> list[subprocess.Popen]:

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.torch
+@pytest.mark.long
 def test_quick_tiny_run_measures_rudra_with_and_without_overlap_ddp_and_references(tmp_path):
     md, js = tmp_path / "t.md", tmp_path / "t.json"
     systems = "rudra:async:tcp,rudra:async-overlap:tcp,ddp,reference"

@@ -18,6 +18,7 @@ from rudra_async.runs.study import expand, run_id, run_study
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 def test_smoke_spec_runs_end_to_end_and_resumes(tmp_path):
     proc = run_cli("study", str(ROOT / "examples" / "study_smoke.toml"), "-o", str(tmp_path), timeout=240)
     assert proc.returncode == 0, proc.stderr

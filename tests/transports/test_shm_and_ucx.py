@@ -268,6 +268,7 @@ def test_a_segment_that_cannot_be_sized_is_gone_and_untracked():
     assert not {n for n in shm_files() - before if n.startswith("rudra-")}
 
 
+@pytest.mark.long
 def test_train_over_shm_and_ucx_reaches_tcp_accuracy(tmp_path):
     before = shm_files()
     results = {}
