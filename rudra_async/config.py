@@ -401,6 +401,12 @@ class LearnerOptions:
     overlap: bool = setting(
         False, "Push/pull step t in the background while step t+1 computes (one more step of staleness)."
     )
+    group_size: int = setting(
+        1,
+        "Learners per learner group (the paper's adv): a group's learners add their gradients on their host and "
+        "one of them exchanges with the server for the group (not with --overlap).",
+        low=1,
+    )
     batch_size: int = setting(32, "Mini-batch size μ per learner.", short="-b", low=1)
     steps: int | None = setting(None, "Gradients each learner pushes (default: until the server stops).", low=1)
     seed: int = setting(0, "Seed of the initial weights (every learner builds the same) and of sampling.")
@@ -426,6 +432,8 @@ class LearnerOptions:
 
     def validate(self) -> LearnerOptions:
         check_ranges(self)
+        if self.group_size > 1 and self.overlap:
+            raise ConfigError("--group-size cannot go with --overlap: a group's learners exchange in step")
         if self.tensorboard is not None:
             check_directory(self.tensorboard)
         if self.data is not None and ":" not in self.model:  # now, not once a server is up
@@ -457,6 +465,15 @@ class LearnerConfig:
         "the run's λ when the server is on this host).",
         low=1,
     )
+    group_rank: int = setting(
+        0, "This learner's rank in its learner group (--group-size; 0: the one that talks to the server).", low=0
+    )
+    group_address: str | None = setting(
+        None,
+        "host:port where the learner group meets (its rank 0 listens there; a loopback or host-local address: "
+        "the group's channel has no secret). Needed with --group-size > 1.",
+        metavar="HOST:PORT",
+    )
     name: str | None = setting(None, "Name the server shows for this learner (default: host:pid).")
     timeout: float = setting(DEFAULT_TIMEOUT, "Connect timeout in seconds.", above=0)
     secret_file: str | None = setting(
@@ -474,6 +491,10 @@ class LearnerConfig:
         if (self.tls_cert or self.tls_key) and not self.tls_ca:
             raise ConfigError("--tls-cert and --tls-key need --tls-ca (the CA of the server's certificate)")
         self.options.validate()
+        if self.options.group_size > 1 and self.group_address is None:
+            raise ConfigError("--group-size needs --group-address (where the group meets) and --group-rank")
+        if self.group_rank >= self.options.group_size:
+            raise ConfigError(f"--group-rank {self.group_rank} is not a rank of a group of {self.options.group_size}")
         return self
 
 
@@ -514,7 +535,11 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         check_ranges(self)
         self.learner.validate()
-        self.server.validate().check_learners(self.learners)
+        if self.learners % self.learner.group_size:
+            raise ConfigError(
+                f"--group-size {self.learner.group_size} must divide --learners {self.learners} (groups of equal size)"
+            )
+        self.server.validate().check_learners(self.pushers)
         check_overlap(self.server, self.learner)
         check_tls_pair(self.server, self.tls_ca)
         if self._transport().in_process:
@@ -527,8 +552,13 @@ class TrainConfig:
             self.server.for_shard(shard, listen),
             max_updates=self.updates,
             samples_per_epoch=self.server.samples_per_epoch or n_train,
-            expected_learners=self.learners,
+            expected_learners=self.pushers,
         )
+
+    @property
+    def pushers(self) -> int:
+        """The learners the server sees: λ, or its learner groups (λ / --group-size)."""
+        return self.learners // self.learner.group_size
 
     def listen_url(self) -> str:
         """Where the run's server listens: a fresh address on this machine, as the transport
@@ -608,6 +638,11 @@ class LaunchConfig:
         """The settings alone; the rank, world size and rendezvous directory are checked when
         the launch reads its environment (:func:`rudra_async.runs.launch.resolve`)."""
         check_ranges(self)
+        if self.learner.group_size > 1:
+            raise ConfigError(
+                "launch does not form learner groups yet (--group-size): use train, or start each member with "
+                "rudra-async learner --group-size --group-rank --group-address"
+            )
         self.server.validate().check_shards(self.servers)
         check_overlap(self.server, self.learner)
         if self.port and self.port + self.servers - 1 > 65535:

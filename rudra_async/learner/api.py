@@ -64,6 +64,7 @@ from ..sync import overlap_breaks
 from ..wire import DEFAULT_TIMEOUT
 from . import sampler
 from .binding import FlatParameters, sparse_gradients
+from .local_group import GroupClient, LocalGroup
 from .state import ModelState
 
 log = logging.getLogger(__name__)
@@ -195,6 +196,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     for a TLS server (:func:`rudra_async.security.client_tls`). ``index``: the learner index
     to ask the server for (default: the lowest free one). ``threads``: see :func:`set_threads`.
     ``state_every``: report the model's buffers every this many steps (and at :meth:`close`).
+    ``group``: this learner is a member of a learner group
+    (:class:`~rudra_async.learner.local_group.LocalGroup`: the group's gradients are added on
+    this host and its leader alone talks to the server; not with ``overlap``).
 
     After connecting, :attr:`index` and :attr:`learners` (λ) say which part of the data is
     this learner's (:class:`~rudra_async.learner.sampler.ShardSampler` takes it). Errors are
@@ -217,7 +221,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         index: int | None = None,
         threads: int | Literal["auto"] | None = "auto",
         state_every: int = 50,
+        group: LocalGroup | None = None,
     ) -> None:
+        if group is not None and overlap:
+            raise LearnerError("a learner group cannot overlap (overlap=True): its members exchange in step")
         named, groups = trainable_parameters(model, optimizer)
         refuse_sparse(model, named)
         self.model = model
@@ -241,8 +248,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             cpu_overlap = overlap and self.flat.on_cpu
             self._spare = torch.empty_like(self.flat.weights) if cpu_overlap else None  # the other weights buffer
-            self.client = self._call(
-                lambda: SyncClient(
+
+            def connect() -> SyncClient:
+                return SyncClient(
                     self._url,
                     self.flat.layout,
                     self.flat.host_weights,
@@ -255,7 +263,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     index=index,
                     state=self.model_state.layout if self.model_state else None,
                 )
-            )
+
+            def client() -> SyncClient | GroupClient:
+                return connect() if group is None else GroupClient(group, connect, self.flat.layout)
+
+            self.client = self._call(client)
             welcome = self.client.welcome
             check_optimizer(optimizer, welcome)
             if overlap and (why := overlap_breaks(welcome)) is not None:

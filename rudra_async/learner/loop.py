@@ -19,6 +19,7 @@ from ..config import LearnerConfig
 from ..errors import LearnerError
 from .api import DistributedOptimizer, share_of_cores
 from .evaluation import evaluate
+from .local_group import DEFAULT_GROUP_TIMEOUT, LocalGroup
 from .parts import load_parts, scalar_loss
 from .tensorboard import open_log, server_step, updates_between
 
@@ -41,6 +42,12 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     started = tick = said = time.monotonic()
     last_loss = float("nan")
     tensorboard = open_log(opts.tensorboard, cfg.name or f"learner-{cfg.index}")
+    group = None
+    if opts.group_size > 1:
+        assert cfg.group_address is not None, "validated"
+        group = LocalGroup(
+            cfg.group_rank, opts.group_size, cfg.group_address, timeout=max(DEFAULT_GROUP_TIMEOUT, opts.reconnect)
+        )
     with DistributedOptimizer(
         model,
         cfg.connect,
@@ -48,7 +55,8 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
         timeout=cfg.timeout,
         reconnect=opts.reconnect,
         overlap=opts.overlap,
-        index=cfg.index,
+        index=cfg.index // opts.group_size,  # the server knows a group as one learner
+        group=group,
         threads="auto" if threads == "auto" else None,
         secret=security.load_secret(cfg.secret_file),
         tls=security.client_tls(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None,

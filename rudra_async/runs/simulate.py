@@ -52,6 +52,7 @@ PROCESS_ONLY = (
     "loss",
     "device",
     "overlap",
+    "group_size",
     "threads",
     "reconnect",
     "tensorboard",

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -46,11 +47,15 @@ def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[Learn
     the run's servers: the secret file (a generated secret goes through the environment) and
     TLS (a client certificate when the servers ask for one: the servers' own)."""
     server, client_cert = cfg.server, bool(cfg.tls_ca and cfg.server.tls_client_ca)
+    size = cfg.learner.group_size
+    meet = group_addresses(cfg.pushers) if size > 1 else []
     return [
         LearnerConfig(
             connect=url,
             index=i,
             learners=cfg.learners,
+            group_rank=i % size,
+            group_address=meet[i // size] if meet else None,
             host_learners=cfg.learners,
             name=f"learner-{i}",
             passes=cfg.passes_per_learner(),
@@ -64,6 +69,16 @@ def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[Learn
     ]
 
 
+def group_addresses(groups: int) -> list[str]:
+    """A loopback address for each learner group to meet at (a port free now)."""
+    addresses = []
+    for _ in range(groups):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            addresses.append(f"127.0.0.1:{s.getsockname()[1]}")
+    return addresses
+
+
 async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the job and return the results (see README for the keys). Stopped by SIGINT or
     SIGTERM (on the main thread), the run stops in order and raises :class:`RunStopped`
@@ -71,7 +86,7 @@ async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None)
     from ..learner import data as datasets
 
     cfg.validate()
-    advice.warn(cfg.server, cfg.learners, cfg.learner.overlap)
+    advice.warn(cfg.server, cfg.pushers, cfg.learner.overlap)
     warm_up()  # learners' imports (torch) start now, beside the server's start-up
     started = time.monotonic()
     dataset = datasets.load(cfg.learner.dataset) if cfg.learner.data is None else None
@@ -216,6 +231,7 @@ def summarize(
         "lr_policy": cfg.server.lr_policy,
         "lr": cfg.server.lr,
         "learners": cfg.learners,
+        "group_size": cfg.learner.group_size,
         "shards": cfg.shards,
         "batch_size": cfg.learner.batch_size,
         "dataset": cfg.learner.data or cfg.learner.dataset,
