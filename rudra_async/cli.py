@@ -283,8 +283,9 @@ def study(spec: str, output: str | None, no_report: bool) -> None:
     click.echo(str(out / "report.md") if not no_report else str(out / "results.jsonl"))
 
 
-#: what ``advise`` chooses: train's flags for them are not advise's
-ADVISED = ("protocol", "n", "lr_policy", "staleness_target", "overlap")
+#: what ``advise`` chooses: train's flags for them are not advise's; and what it cannot model
+#: (learner groups: neither its runtime model nor a simulated sweep has them)
+ADVISED = ("protocol", "n", "lr_policy", "staleness_target", "overlap", "group_size")
 
 
 @main.command()
