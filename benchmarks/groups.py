@@ -85,7 +85,7 @@ def run_point(hosts: Hosts, d: int, size: int, args: argparse.Namespace) -> dict
     finally:
         server.send_signal(2)
         _, err = server.communicate(timeout=60)
-    for p, (out, e) in zip(learners, outs):
+    for p, (_, e) in zip(learners, outs):
         if p.returncode != 0:
             raise SystemExit(f"a learner failed: {e[-2000:]}")
     rows = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]

@@ -1,4 +1,4 @@
-"""(a0) across emulated links: the cost of the network.
+"""(a0) and (a) across emulated links: the cost of the network.
 
 The server on one host and λ learners on others: network namespaces joined by veth links
 through a bridge, each learner's link shaped with tc ``tbf`` to each rate of ``--rates`` in
@@ -16,9 +16,16 @@ default, the (a0) workload) and pulling the weights, for ``--seconds``; the serv
   the same exchange measured over loopback in this run (client and server CPU per update,
   ``/proc``) and the wire time of a message (bytes × 8 ÷ rate) as its latency.
 
+With ``--workload a``, the (a) training instead: each learner trains the MLP
+1024-4096-4096-1024 (the same 25,175,040 float32) on a fixed random batch of 8 with MSE
+through ``rudra_async.torch.DistributedOptimizer`` (one torch thread), samples/s printed
+beside updates/s; the model's compute time per step is one such step timed in this process
+(one thread), and the client's CPU per update over loopback less that compute is its
+protocol cost.
+
 Needs root and iproute2 (it says so and exits otherwise).
 
-    python benchmarks/network.py [--rates 1gbit,10gbit] [--lambdas 1,2] [--seconds 10] [--reps 3]
+    python benchmarks/network.py [--workload a0|a] [--rates 1gbit,10gbit] [--lambdas 1,2] [--seconds 10] [--reps 3]
 """
 
 from __future__ import annotations
@@ -57,6 +64,32 @@ while time.perf_counter() - t0 < seconds:
 print(count, time.perf_counter() - t0, time.process_time() - cpu0, flush=True)
 client.close()
 """
+TRAINER = """
+import sys, time, torch
+from torch import nn
+import rudra_async.torch as rt
+url, seconds = sys.argv[1], float(sys.argv[2])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+x, y = torch.randn(8, 1024), torch.randn(8, 1024)
+opt = rt.DistributedOptimizer(model, url, threads=1, reconnect=30)
+
+
+def step():
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step(samples=len(x))
+
+
+for _ in range(2):  # warm-up
+    step()
+count, cpu0, t0 = 0, time.process_time(), time.perf_counter()
+while time.perf_counter() - t0 < seconds:
+    step()
+    count += 1
+print(count, time.perf_counter() - t0, time.process_time() - cpu0, flush=True)
+opt.close()
+"""
 SERVER = [sys.executable, "-m", "rudra_async", "--log-level", "WARNING", "server", "--protocol", "async", "--kernel",
           "torch", "--lr", "1e-4", "--momentum", "0.9", "--insecure"]  # fmt: skip
 RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
@@ -78,7 +111,8 @@ def run_point(on_server: list[str], on_learners: list[list[str]], url: str, args
         if server.poll() is not None:
             raise SystemExit(f"the server failed: {server.communicate()[1].decode()[-2000:]}")
         cpu0 = cpu_seconds(server.pid)
-        command = [sys.executable, "-c", CLIENT, url, str(args.seconds), str(args.values)]
+        script = TRAINER if args.workload == "a" else CLIENT
+        command = [sys.executable, "-c", script, url, str(args.seconds), str(args.values)]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
         clients = [subprocess.Popen([*prefix, *command], **pipes) for prefix in on_learners]
         outs = [c.communicate(timeout=args.seconds + 120) for c in clients]
@@ -98,6 +132,30 @@ def run_point(on_server: list[str], on_learners: list[list[str]], url: str, args
     }
 
 
+MLP_VALUES = 25_175_040  # the (a) MLP's parameters
+BATCH = 8  # the (a) batch
+
+
+def mlp_step_seconds(reps: int = 7) -> float:
+    """One (a) training step's compute on one torch thread here: the median of ``reps``."""
+    import torch
+    from torch import nn
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    x, y = torch.randn(BATCH, 1024), torch.randn(BATCH, 1024)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        times.append(time.perf_counter() - t)
+    torch.set_num_threads(threads)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="1gbit,10gbit")
@@ -105,7 +163,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--values", type=int, default=25_175_040)
+    ap.add_argument("--workload", choices=("a0", "a"), default="a0")
     args = ap.parse_args()
+    if args.workload == "a":
+        args.values = MLP_VALUES
     why = unavailable()
     if why:
         raise SystemExit(f"cannot emulate hosts here: {why}")
@@ -113,7 +174,8 @@ def main() -> None:
     rates = args.rates.split(",")
     size = 4 * args.values
     cores = usable_cores()
-    print(f"(a0) over emulated links: {args.values:,} float32 ({size / 1e6:.0f} MB) each way per update, "
+    compute_s = mlp_step_seconds() if args.workload == "a" else 0.0
+    print(f"({args.workload}) over emulated links: {args.values:,} float32 ({size / 1e6:.0f} MB) each way per update, "
           f"{args.seconds:g} s per point, median of {args.reps}, {cores} cores")  # fmt: skip
     loop = {lam: [] for lam in lambdas}
     links: dict[tuple[str, int], list[dict]] = {(r, lam): [] for r in rates for lam in lambdas}
@@ -136,14 +198,15 @@ def main() -> None:
             got = statistics.median(r["updates_per_s"] for r in links[(rate, lam)])
             wire = 8 * size / bits_per_s(rate)  # one message's time on its link
             bound = min(lam / (2 * wire), med[lam]["updates_per_s"])
-            costs = Costs(compute_s=0.0, client_s=med[1]["client_s"], server_s=med[1]["server_s"], update_s=0.0,
+            client_s = max(0.0, med[1]["client_s"] - compute_s)  # the protocol's share of the learner's CPU
+            costs = Costs(compute_s=compute_s, client_s=client_s, server_s=med[1]["server_s"], update_s=0.0,
                           latency_s=wire)  # fmt: skip
             pred = simulate(costs, lam, "async", cores=cores, batch_size=1, updates=200).updates_per_s
-            print(
-                f"| {rate} | {lam} | {got:.2f} | {bound:.2f} | {got / bound:.2f} | {pred:.2f} | {pred / got - 1:+.0%} |"
-            )
-    print(f"\nloopback CPU per update (λ = 1, the model's costs): client {1e3 * med[1]['client_s']:.0f} ms, "
-          f"server {1e3 * med[1]['server_s']:.0f} ms")  # fmt: skip
+            samples = f" ({BATCH * got:.1f} samples/s)" if args.workload == "a" else ""
+            print(f"| {rate} | {lam} | {got:.2f}{samples} | {bound:.2f} | {got / bound:.2f} | {pred:.2f} | "
+                  f"{pred / got - 1:+.0%} |")  # fmt: skip
+    print(f"\nloopback CPU per update (λ = 1, the model's costs): client {1e3 * med[1]['client_s']:.0f} ms "
+          f"(of which compute {1e3 * compute_s:.0f} ms), server {1e3 * med[1]['server_s']:.0f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -466,7 +466,10 @@ class LearnerConfig:
         low=1,
     )
     group_rank: int = setting(
-        0, "This learner's rank in its learner group (--group-size; 0: the one that talks to the server).", low=0
+        0,
+        "This learner's rank in its learner group (--group-size; 0: the one that talks to the server); its --index "
+        "is the group's index × --group-size + this rank.",
+        low=0,
     )
     group_address: str | None = setting(
         None,
@@ -493,8 +496,14 @@ class LearnerConfig:
         self.options.validate()
         if self.options.group_size > 1 and self.group_address is None:
             raise ConfigError("--group-size needs --group-address (where the group meets) and --group-rank")
-        if self.group_rank >= self.options.group_size:
-            raise ConfigError(f"--group-rank {self.group_rank} is not a rank of a group of {self.options.group_size}")
+        size = self.options.group_size
+        if self.group_rank >= size:
+            raise ConfigError(f"--group-rank {self.group_rank} is not a rank of a group of {size}")
+        if self.index % size != self.group_rank:
+            raise ConfigError(
+                f"--index {self.index} is not a learner of rank {self.group_rank} in groups of {size}: learner k of "
+                f"group g has index g·{size} + k (its part of the data; the server knows the group as learner g)"
+            )
         return self
 
 

@@ -339,8 +339,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.stopped:
             if not self._said_over:
                 log.warning(
-                    "the server's run is over (it reached its --max-updates): step() no longer trains; leave the "
-                    "training loop when step() returns False (a loader with rt.ShardSampler ends by itself)"
+                    "%s: step() no longer trains; leave the training loop when step() returns False (a loader with "
+                    "rt.ShardSampler ends by itself)",
+                    "this learner's group has ended (a member stopped)"
+                    if isinstance(self.client, GroupClient) and self.client.ended
+                    else "the server's run is over (it reached its --max-updates)",
                 )
                 self._said_over = True
             return False
@@ -454,7 +457,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if even those cannot be had."""
         try:
             weights = self.client.push_pull(grads, stamp, step, samples, loss, lr)
-            self.pushes += 1
+            if not (isinstance(self.client, GroupClient) and self.client.ended):  # (then nothing was sent)
+                self.pushes += 1
             self._refused_in_a_row = 0
             return weights
         except RemoteError as exc:

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -40,9 +41,11 @@ from ..client import Gradient, Stamp, SyncClient, Weights, gradient_parts
 from ..errors import LearnerError
 from ..layout import Layout
 
+T = TypeVar("T")
+
 #: seconds a member waits for the others (a step of the slowest, or the server's answer to the leader)
 DEFAULT_GROUP_TIMEOUT = 900.0
-#: int64 values of the header that comes with the weights (4 + the clocks: at most 60 shards)
+#: int64 values of the header that comes with the weights (7 + the clocks: at most 57 shards)
 HEADER = 64
 
 
@@ -52,9 +55,10 @@ class _Op(enum.IntEnum):
     HELLO = 0
     PULL = 1
     PUSH_PULL = 2
-    STATE = 3
-    RECONNECT = 4
-    CLOSE = 5
+    RUN_STATE = 3  # the run's state at the start (or after a reconnect)
+    REPORT = 4  # the buffers' report
+    RECONNECT = 5
+    CLOSE = 6
 
 
 class LocalGroup:
@@ -73,7 +77,10 @@ class LocalGroup:
         try:
             store = dist.TCPStore  # type: ignore[attr-defined]
             self._store = store(host.strip("[]"), int(port), size, rank == 0, timeout=wait)
-            self._pg = dist.ProcessGroupGloo(self._store, rank, size, wait)
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            options._timeout = wait
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]  # gloo there too
+            self._pg = dist.ProcessGroupGloo(self._store, rank, size, options)
         except (RuntimeError, ValueError, OSError) as exc:
             raise LearnerError(f"learner group at {address}: rank {rank} of {size} could not join: {exc}") from exc
 
@@ -126,8 +133,28 @@ def _raise_record(record: dict[str, Any]) -> None:
     rudra-async's with the usual constructor, else a LearnerError naming it)."""
     cls = getattr(errors, str(record["kind"]), None)
     if isinstance(cls, type) and issubclass(cls, errors.RudraError) and cls.__init__ is errors.RudraError.__init__:
-        raise cls(record["message"], code=record["code"])
-    raise LearnerError(f"the group's leader failed: {record['kind']}: {record['message']}")
+        exc = cls(record["message"], code=record["code"])
+    else:
+        exc = LearnerError(f"the group's leader failed: {record['kind']}: {record['message']}")
+    exc.group_shared = True  # type: ignore[attr-defined]
+    raise exc
+
+
+def _collective(method: Callable[..., T]) -> Callable[..., T]:
+    """A call of the group: an error that every member raised alike (the leader's, shared)
+    leaves the group in step; any other (a lost member, Ctrl-C part-way) ends it, so that
+    :meth:`GroupClient.close` makes no collective the others would not match."""
+
+    @functools.wraps(method)
+    def call(self: GroupClient, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as exc:
+            if not getattr(exc, "group_shared", False):
+                self._ended = True
+            raise
+
+    return call
 
 
 class GroupClient:
@@ -182,22 +209,30 @@ class GroupClient:
         """The run's learner processes: the server's learners (groups) × G."""
         return self._learners * self.group.size
 
+    @property
+    def ended(self) -> bool:
+        """Whether the group has ended (a member stopped): exchanges no longer reach the server."""
+        return self._ended
+
     # -- calls -----------------------------------------------------------------------------------
     def set_weights_buffer(self, buffer: np.ndarray) -> None:
         self._buffer = buffer.reshape(-1)
         if self._client is not None:
             self._client.set_weights_buffer(buffer)
 
+    @_collective
     def pull(self, newer_than: Stamp = -1) -> Weights:
         if self._start(_Op.PULL) is None:
             return self._over()
         return self._weights(lambda client: client.pull(newer_than))
 
+    @_collective
     def reconnect(self, within: float, retry_every: float = 0.5) -> Weights:
         if self._start(_Op.RECONNECT) is None:
             return self._over()
         return self._weights(lambda client: client.reconnect(within, retry_every))
 
+    @_collective
     def push_pull(
         self,
         grad: Gradient,
@@ -216,10 +251,11 @@ class GroupClient:
         mean_loss = losses / given if given else None
         return self._weights(lambda client: client.push_pull(combined, timestamp, step, int(total), mean_loss, lr))
 
+    @_collective
     def exchange_state(self, arrays: Sequence[np.ndarray], *, every: bool, reply: bool) -> list[np.ndarray]:
         """``every``: the run's state at the start (the leader's is sent; the run's comes back
         to every member); else the buffers' report: their mean over the members is sent."""
-        if self._start(_Op.STATE) is None:
+        if self._start(_Op.RUN_STATE if every else _Op.REPORT) is None:
             return self._client.exchange_state(arrays, every=every, reply=reply) if self._client else list(arrays)
         if not every:
             arrays = [self._mean(a) for a in arrays]
@@ -267,8 +303,9 @@ class GroupClient:
         if self.group.leader:
             try:
                 record = {"ok": call()}
-            except Exception as exc:
+            except BaseException as exc:
                 self.group.share({"error": _error_record(exc)})
+                exc.group_shared = True  # type: ignore[attr-defined]
                 raise
         record = self.group.share(record)
         if "error" in record:
@@ -276,30 +313,36 @@ class GroupClient:
         return record["ok"]
 
     def _weights(self, call: Callable[[SyncClient], Weights]) -> Weights:
-        """The leader's ``call`` (a push+pull, pull or reconnect): its weights shared, with
-        their clock, stop flag and the server's λ, in a header of :data:`HEADER` int64
-        (status 0, stop, learners, k, the k clocks); status 1: an error, shared next."""
+        """The leader's ``call`` (a push+pull, pull or reconnect): its weights shared, with a
+        header of :data:`HEADER` int64: status (0; 1: an error, shared next), stop, the
+        server's λ, the leader's learner id, the checkpoint clock its server resumed from + 1
+        (0: none), the group's index, k, then the k clocks (one per shard)."""
         assert self._buffer is not None, "set_weights_buffer first"
         head = torch.zeros(HEADER, dtype=torch.int64)
-        failed: Exception | None = None
+        failed: BaseException | None = None
         if self.group.leader:
+            client = self._client
+            assert client is not None
             try:
-                weights = call(self._client)  # type: ignore[arg-type]
+                weights = call(client)
                 clocks = list(weights.timestamp) if isinstance(weights.timestamp, tuple) else [weights.timestamp]
-                head[: 4 + len(clocks)] = torch.tensor([0, weights.stop, self._client.learners, len(clocks), *clocks])  # type: ignore[union-attr]
-            except Exception as exc:
+                resumed = 0 if client.resumed_from is None else client.resumed_from + 1
+                facts = [0, weights.stop, client.learners, client.learner_id, resumed, client.index, len(clocks)]
+                head[: len(facts) + len(clocks)] = torch.tensor([*facts, *clocks])
+            except BaseException as exc:
                 failed, head[0] = exc, 1
         self.group.share_(head)
         if int(head[0]):
-            record = self.group.share({"error": _error_record(failed)} if failed else None)
+            record = self.group.share({"error": _error_record(failed)} if failed is not None else None)
             if failed is not None:
+                failed.group_shared = True  # type: ignore[attr-defined]
                 raise failed
             _raise_record(record["error"])
         self.group.share_(torch.from_numpy(self._buffer))
-        _, stop, learners, k = head[:4].tolist()
-        clocks = head[4 : 4 + k].tolist()
+        _, stop, self._learners, self.learner_id, resumed, self._index, k = head[:7].tolist()
+        self.resumed_from = None if resumed == 0 else resumed - 1
+        clocks = head[7 : 7 + k].tolist()
         self._timestamp = tuple(clocks) if k > 1 else clocks[0]
-        self._learners = learners
         return Weights(self._timestamp, self._buffer, bool(stop))
 
     def _over(self) -> Weights:

@@ -45,9 +45,8 @@ def run_learner(cfg: LearnerConfig) -> dict[str, Any]:
     group = None
     if opts.group_size > 1:
         assert cfg.group_address is not None, "validated"
-        group = LocalGroup(
-            cfg.group_rank, opts.group_size, cfg.group_address, timeout=max(DEFAULT_GROUP_TIMEOUT, opts.reconnect)
-        )
+        wait = max(DEFAULT_GROUP_TIMEOUT, opts.reconnect + cfg.timeout + 60)  # the leader may be reconnecting
+        group = LocalGroup(cfg.group_rank, opts.group_size, cfg.group_address, timeout=wait)
     with DistributedOptimizer(
         model,
         cfg.connect,

@@ -71,12 +71,11 @@ def learner_configs(cfg: TrainConfig, url: str, steps: int | None) -> list[Learn
 
 def group_addresses(groups: int) -> list[str]:
     """A loopback address for each learner group to meet at (a port free now)."""
-    addresses = []
-    for _ in range(groups):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            addresses.append(f"127.0.0.1:{s.getsockname()[1]}")
-    return addresses
+    with contextlib.ExitStack() as held:  # every port held until all are chosen: no two alike
+        probes = [held.enter_context(socket.socket()) for _ in range(groups)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [f"127.0.0.1:{probe.getsockname()[1]}" for probe in probes]
 
 
 async def train(cfg: TrainConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:

@@ -28,11 +28,12 @@ from torch import nn
 import rudra_async.torch as rt
 from rudra_async.learner.local_group import LocalGroup
 url, group_index, rank, size, address, steps = sys.argv[1:7]
+ROWS = [4, 12, 8, 8]  # unequal mini-batches: a group's gradient is weighted by its members' samples
 torch.manual_seed(0)
 model = nn.Linear(5, 3)
 k = int(group_index) * int(size) + int(rank)
-x = torch.randn(8, 5, generator=torch.Generator().manual_seed(100 + k))
-y = torch.arange(8) % 3
+x = torch.randn(ROWS[k], 5, generator=torch.Generator().manual_seed(100 + k))
+y = torch.arange(ROWS[k]) % 3
 group = LocalGroup(int(rank), int(size), address, timeout=60)
 opt = rt.DistributedOptimizer(model, url, index=int(group_index), group=group, threads=1)
 taken = 0
@@ -91,8 +92,9 @@ def test_hardsync_over_groups_is_sgd_on_the_concatenated_batch(tmp_path):
     assert clock == steps
     torch.manual_seed(0)
     model = nn.Linear(5, 3)
-    x = torch.cat([torch.randn(8, 5, generator=torch.Generator().manual_seed(100 + k)) for k in range(4)])
-    y = torch.cat([torch.arange(8) % 3] * 4)
+    rows = [4, 12, 8, 8]  # MEMBER's: each group has 16 samples, so the server's mean over groups is theirs
+    x = torch.cat([torch.randn(rows[k], 5, generator=torch.Generator().manual_seed(100 + k)) for k in range(4)])
+    y = torch.cat([torch.arange(n) % 3 for n in rows])
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(steps):
         sgd.zero_grad()
