@@ -309,6 +309,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.client.learners
 
     @property
+    def _group_ended(self) -> bool:
+        """Whether this learner's group ended (a member stopped): its steps no longer reach the server."""
+        return isinstance(self.client, GroupClient) and self.client.ended
+
+    @property
     def learner_id(self) -> int:
         return self.client.learner_id
 
@@ -342,7 +347,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "%s: step() no longer trains; leave the training loop when step() returns False (a loader with "
                     "rt.ShardSampler ends by itself)",
                     "this learner's group has ended (a member stopped)"
-                    if isinstance(self.client, GroupClient) and self.client.ended
+                    if self._group_ended
                     else "the server's run is over (it reached its --max-updates)",
                 )
                 self._said_over = True
@@ -457,7 +462,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if even those cannot be had."""
         try:
             weights = self.client.push_pull(grads, stamp, step, samples, loss, lr)
-            if not (isinstance(self.client, GroupClient) and self.client.ended):  # (then nothing was sent)
+            if not self._group_ended:  # (then nothing was sent)
                 self.pushes += 1
             self._refused_in_a_row = 0
             return weights

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from ..client import Gradient, Stamp, SyncClient, Weights, gradient_parts
+from ..client import Gradient, Stamp, SyncClient, Weights, gradient_segments
 from ..errors import LearnerError
 from ..layout import Layout
 
@@ -73,13 +73,13 @@ class LocalGroup:
         if not host or not port.isdigit():
             raise LearnerError(f"a group's address is host:port, got {address!r}")
         self.rank, self.size = rank, size
-        wait = datetime.timedelta(seconds=timeout)
+        host, wait = host.strip("[]"), datetime.timedelta(seconds=timeout)
         try:
             store = dist.TCPStore  # type: ignore[attr-defined]
-            self._store = store(host.strip("[]"), int(port), size, rank == 0, timeout=wait)
+            self._store = store(host, int(port), size, rank == 0, timeout=wait)
             options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._timeout = wait
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]  # gloo there too
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # gloo there too
             self._pg = dist.ProcessGroupGloo(self._store, rank, size, options)
         except (RuntimeError, ValueError, OSError) as exc:
             raise LearnerError(f"learner group at {address}: rank {rank} of {size} could not join: {exc}") from exc
@@ -258,7 +258,7 @@ class GroupClient:
         if self._start(_Op.RUN_STATE if every else _Op.REPORT) is None:
             return self._client.exchange_state(arrays, every=every, reply=reply) if self._client else list(arrays)
         if not every:
-            arrays = [self._mean(a) for a in arrays]
+            arrays = self._means(arrays)
         record = self._lead(lambda: _encode(self._client.exchange_state(arrays, every=every, reply=reply)))  # type: ignore[union-attr]
         return _decode(record)
 
@@ -283,11 +283,17 @@ class GroupClient:
         are not all doing the same, or when it had already ended; else the summed tensor."""
         if self._ended:
             return None
+        # Every op's tensor has the gradient's room (zeros but for a push): members doing different
+        # ops must still meet in one all-reduce of one size, and a push then needs no second one.
         n = 0 if op is _Op.HELLO else self._values  # at the hello the layouts are not yet known to agree
         told = torch.zeros(n + len(_Op) + 4, dtype=torch.float32)
         weight = samples if samples > 0 else 1
         if grad is not None:
-            torch.mul(torch.from_numpy(_flat(grad)), weight, out=told[:n])
+            start = 0
+            for part in gradient_segments(grad):  # each part straight into its place: no gathered copy
+                torch.mul(torch.from_numpy(part), weight, out=told[start : start + part.size])
+                start += part.size
+
         tail = told[n:]
         tail[op] = 1
         tail[len(_Op) :] = torch.tensor([weight, samples, 0.0 if loss is None else loss, loss is not None])
@@ -350,16 +356,17 @@ class GroupClient:
         assert self._buffer is not None, "set_weights_buffer first"
         return Weights(self._timestamp, self._buffer, True)
 
-    def _mean(self, array: np.ndarray) -> np.ndarray:
-        if not np.issubdtype(array.dtype, np.floating):
-            return array  # counts (BatchNorm's batches seen): the leader's
-        total = self.group.sum_(torch.from_numpy(array.astype(np.float64)))
-        return (total / self.group.size).numpy().astype(array.dtype)
-
-
-def _flat(grad: Gradient) -> np.ndarray:
-    parts = gradient_parts(grad)
-    return parts[0].reshape(-1) if len(parts) == 1 else np.concatenate([p.reshape(-1) for p in parts])
+    def _means(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The members' mean of each floating-point array (one all-reduce, in float64, rounded
+        back to the array's dtype); the others (counts: BatchNorm's batches seen) the leader's."""
+        floating = [a for a in arrays if np.issubdtype(a.dtype, np.floating)]
+        if not floating:
+            return list(arrays)
+        total = self.group.sum_(torch.from_numpy(np.concatenate([a.reshape(-1) for a in floating]).astype(np.float64)))
+        means = iter(np.split((total / self.group.size).numpy(), np.cumsum([a.size for a in floating])[:-1]))
+        return [
+            next(means).astype(a.dtype).reshape(a.shape) if np.issubdtype(a.dtype, np.floating) else a for a in arrays
+        ]
 
 
 def _encode(arrays: Sequence[np.ndarray]) -> list[list[Any]]:
