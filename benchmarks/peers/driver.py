@@ -97,6 +97,8 @@ HERE = Path(__file__).resolve().parent
 MXNET_VENV = Path.home() / ".cache" / "rudra-async-bench" / "mxnet-venv"
 MXNET_REQUIREMENTS = ["mxnet==1.9.1", "numpy<1.24"]
 TORCH_MAIN = "from benchmarks.peers.torch_side import main; main()"
+#: the rudra-async server, in a process without torch (as ``rudra-async server`` runs)
+RUDRA_SERVER_MAIN = "from benchmarks.peers.rudra_server import main; main()"
 PIDFILE = Path.home() / ".cache" / "rudra-async-bench" / "running.pids"
 
 RUDRA = [f"rudra:{p}:{t}" for t in ("tcp", "shm") for p in ("async", "async-overlap", "hardsync", "softsync2")]
@@ -251,7 +253,7 @@ def launch(point: Point, spec: Spec, args: argparse.Namespace) -> None:
         mode, n = ("softsync", 2) if protocol == "softsync2" else ("async" if overlap else protocol, 0)
         listen = "tcp://127.0.0.1:0" if transport == "tcp" else "shm://"
         server_spec = Spec(**{**spec.__dict__, "role": "server", "mode": mode, "n": n, "address": listen})
-        point.server = point.start("server", [*py, server_spec.to_json()], env)
+        point.server = point.start("server", [sys.executable, "-c", RUDRA_SERVER_MAIN, server_spec.to_json()], env)
         url = wait_line(point.server, "ADDRESS", point, 45)
         for r in range(lam):
             s = Spec(**{**spec.__dict__, "rank": r, "mode": mode, "n": n, "address": url, "overlap": overlap})

@@ -86,30 +86,6 @@ class Batches:
 
 
 # -- rudra-async ------------------------------------------------------------------------------
-def rudra_server(spec: Spec) -> None:
-    import asyncio
-
-    from rudra_async.config import ServerConfig
-    from rudra_async.eventloop import run
-    from rudra_async.server import ParameterServer
-
-    cfg = ServerConfig(
-        listen=[spec.address],
-        protocol=spec.mode,
-        n=spec.n if spec.mode == "softsync" else None,
-        lr=LR if spec.workload in ("a0", "small") else TRAIN_LR,
-        momentum=MOMENTUM,
-    )
-
-    async def serve() -> None:
-        async with ParameterServer(cfg) as ps:
-            print("ADDRESS", ps.addresses[0], flush=True)
-            while True:  # until the driver kills this process
-                await asyncio.sleep(3600)
-
-    run(serve())
-
-
 def rudra_learner(spec: Spec, rec: Recorder) -> None:
     if spec.workload in ("a0", "small"):
         from rudra_async.client import SyncClient
@@ -286,7 +262,6 @@ def rpc_learner(spec: Spec, rec: Recorder) -> None:
 
 
 ROLES: dict[tuple[str, str], Callable[..., None]] = {
-    ("rudra", "server"): rudra_server,
     ("rudra", "learner"): rudra_learner,
     ("ddp", "learner"): ddp_learner,
     ("rpc", "server"): rpc_server,

@@ -3,6 +3,7 @@
 import importlib.util
 import itertools
 import logging
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -135,6 +136,7 @@ def test_a_cupy_install_that_does_not_import_means_no_device(tmp_path, monkeypat
     (tmp_path / "cupy" / "__init__.py").write_text('raise ImportError("CuPy is not correctly installed")\n')
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "cupy", raising=False)  # imported already: import it again
+    monkeypatch.setattr(kernels, "_cuda_driver_problem", lambda: None)  # as on a host with a driver
     with caplog.at_level(logging.WARNING, "rudra_async.kernels"):
         assert not cupy_device_available()
         assert resolve("auto", "auto") == CPU_AUTO
@@ -266,7 +268,7 @@ def test_selection():
     with pytest.raises(ConfigError, match="--kernel-device cuda needs"):
         resolve("numpy", "cuda")
     if not cupy_device_available():
-        with pytest.raises(ConfigError, match="no CUDA device"):
+        with pytest.raises(ConfigError, match=r"no CUDA (device|driver)"):
             resolve("cupy")
 
 
@@ -406,3 +408,14 @@ def test_an_update_computed_in_spans_equals_the_whole_update_bit_for_bit(backend
     np.testing.assert_array_equal(whole.momentum, parts.momentum)
     with pytest.raises(ValueError, match="span"):
         parts.apply(b, b, grads, scales, steps, span=(5, size + 1))
+
+
+@pytest.mark.skipif(kernels._cuda_driver_problem() is None, reason="this host has a CUDA driver")
+def test_no_driver_means_cupy_is_never_imported():
+    """Without the CUDA driver CuPy cannot see a device, so choosing a backend does not import
+    it (its import costs a server about 180 MB), and an explicit cupy says why it cannot run."""
+    code = "import sys; from rudra_async.kernels import resolve; resolve('auto', 'auto');print('cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
+    with pytest.raises(ConfigError, match="no CUDA driver"):
+        resolve("cupy", "auto")
