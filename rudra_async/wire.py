@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
+from .bodies import BodyBudget, BodyLease
 from .errors import BadMagic, BadVersion, FrameTooLarge, MalformedFrame, WireError, quoted
 from .layout import MAX_TENSOR_DIMS
 
@@ -290,6 +291,7 @@ class Frame:
     _release: Callable[[], None] | None = None
     written: Callable[[], int] | None = None
     lent: Callable[[], bool] | None = None
+    _set_aside: Callable[[], None] | None = None
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -305,6 +307,13 @@ class Frame:
         if self._release is not None:
             release, self._release = self._release, None
             release()
+
+    def set_aside(self) -> None:
+        """The body will be kept for a while (a protocol holds the gradient until others
+        arrive): a :class:`~rudra_async.bodies.BodyBudget` no longer counts it. Idempotent;
+        a no-op for a body outside any budget."""
+        if self._set_aside is not None:
+            self._set_aside()
 
     def take(self) -> Frame:
         """Move ownership of the body to a new Frame, which the caller must release; this one's
@@ -379,8 +388,11 @@ class FrameReader:
         *,
         messages: bool = False,
         admit: Admit | None = None,
+        budget: BodyBudget | None = None,
     ) -> None:
         self.limits = limits
+        #: where large bodies' buffers come from (None: this reader's own pool); see :attr:`waiting`
+        self.budget = budget
         self.allocate = allocate
         self.admit = admit
         self.messages = messages
@@ -388,6 +400,8 @@ class FrameReader:
         self.pool = BufferPool()
         self._stage = memoryview(bytearray(self.STAGE))
         self._staged = False  # whether the buffer get_buffer handed out last is the stage
+        self._pending = bytearray()  # bytes read while waiting for a body's buffer
+        self._lease: BodyLease | None = None
         self._begin_header()
 
     # -- state -------------------------------------------------------------------------
@@ -400,6 +414,7 @@ class FrameReader:
         self._specs: list[SegmentSpec] = []
         self._error: WireError | None = None
         self._owned: np.ndarray | None = None
+        self._lease = None
         self._skip_left = 0
         self._ends: list[int] = []  # messages mode: where each non-empty segment ends in the body
 
@@ -407,6 +422,12 @@ class FrameReader:
     def mid_frame(self) -> bool:
         """True when some bytes of a frame have arrived but not all of it."""
         return not (self._state == "header" and self._pos == 0)
+
+    @property
+    def waiting(self) -> int:
+        """The size of a body waiting for a buffer of the :attr:`budget` (0: none waits): the
+        caller stops reading (bytes read meanwhile are kept) until :meth:`resume` hands it one."""
+        return self._header.body_len if self._state == "waiting" and self._header is not None else 0
 
     def get_buffer(self) -> memoryview:
         """Where the next bytes go (never empty): the staging buffer, the rest of a large
@@ -424,9 +445,24 @@ class FrameReader:
         if not self._staged:
             return self._advance_part(n)
         self._staged = False
+        return self._feed(self._stage, n)
+
+    def resume(self, lease: BodyLease) -> list[Frame]:
+        """Receive the waiting body into ``lease``'s buffer (see :attr:`waiting`); the frames
+        the bytes read meanwhile finish."""
+        assert self._state == "waiting" and self._header is not None, "resume() only while waiting"
+        self._start_body(lease)
+        pending, self._pending = self._pending, bytearray()
+        return self._feed(memoryview(pending), len(pending))
+
+    def _feed(self, data: memoryview, n: int) -> list[Frame]:
+        """Take the first ``n`` bytes of ``data`` part by part, as if each had been read in place."""
         frames: list[Frame] = []
-        data, done = self._stage, 0
-        while done < n:  # copy the staged bytes part by part, as if each had been read in place
+        done = 0
+        while done < n:
+            if self._state == "waiting":  # kept until the body's buffer comes
+                self._pending += data[done:n]
+                break
             room = self._buf[self._pos :]
             k = min(len(room), n - done)
             room[:k] = data[done : done + k]
@@ -441,7 +477,7 @@ class FrameReader:
     def _advance_part(self, n: int) -> list[Frame]:
         self._pos += n
         frames: list[Frame] = []
-        while self._pos == len(self._buf):
+        while self._pos == len(self._buf) and self._state != "waiting":
             frame = self._step()
             if frame is not None:
                 frames.append(frame)
@@ -496,6 +532,13 @@ class FrameReader:
             return self._emit(memoryview(b""))
         self._state = "body"
         target = self.allocate(self._header.msg_type, self._meta, n) if self.allocate else None
+        if target is None and self.budget is not None and self.budget.counts(n):
+            lease = self.budget.take(n)
+            if lease is None:
+                self._state, self._buf = "waiting", memoryview(b"")
+                return None
+            self._start_body(lease)
+            return None
         if target is None:
             self._owned = self.pool.take(n)
             target = self._owned.data[:n]
@@ -506,16 +549,30 @@ class FrameReader:
             self._ends = sorted(set(itertools.accumulate(s.nbytes for s in self._specs)) - {0})
         return None
 
+    def _start_body(self, lease: BodyLease) -> None:
+        """Receive the body into ``lease``'s buffer."""
+        assert self._header is not None
+        self._state, self._lease = "body", lease
+        self._buf = lease.buffer.data[: self._header.body_len]
+        if self.messages:
+            self._ends = sorted(set(itertools.accumulate(s.nbytes for s in self._specs)) - {0})
+
     def _emit(self, body: memoryview) -> Frame:
         assert self._header is not None
-        owned = self._owned
+        owned, lease = self._owned, self._lease
+        release: Callable[[], None] | None = None
+        if lease is not None:
+            release = lease.give_back
+        elif owned is not None:
+            release = lambda: self.pool.give_back(owned)
         frame = Frame(
             self._header.msg_type,
             self._meta,
             body,
             self._specs,
             self._error,
-            (lambda: self.pool.give_back(owned)) if owned is not None else None,
+            release,
+            _set_aside=lease.set_aside if lease is not None else None,
         )
         self._begin_header()
         return frame
@@ -526,5 +583,8 @@ class FrameReader:
         too); frames already handed out stay valid. The reader takes no more bytes."""
         self.pool.clear()
         self.pool.keep = 0
+        if self._lease is not None:  # a body in progress: its buffer goes back to the budget
+            self._lease.give_back()
         self.allocate = self.admit = None
+        self._pending = bytearray()
         self._begin_header()

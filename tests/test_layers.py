@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "registry",
             "sync",
             "logs",
+            "bodies",
             "wire",
             "schema",
             "lr",

@@ -618,6 +618,8 @@ class ServerCore:
             decision = self.protocol.push(gradient)
         pending.wait_applied = decision.wait_applied
         self._decide(decision)
+        if not pending.settled and not any(g is gradient for batch in decision.updates for g in batch):
+            pending.frame.set_aside()  # held until others arrive: it no longer counts against the body budget
         return pending
 
     def receive_state(self, learner: LearnerInfo, meta: dict[str, Any], arrays: list[np.ndarray]) -> list[np.ndarray]:

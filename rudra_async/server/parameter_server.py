@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .. import checkpoint, eventloop, security, transports
+from ..bodies import BodyBudget
 from ..config import ServerConfig
 from ..errors import ConfigError, PeerGone, RudraError, UpdateFailed
 from ..eventloop import outlast
@@ -116,6 +117,9 @@ class ParameterServer:
         self.closing_reason = ""  # why the server is shutting down (told to learners)
         #: what every connection bringing initial weights (a HELLO before the model exists) may hold at once
         self.initial_bytes = Budget(2 * cfg.max_model_bytes)
+        #: the large gradients every stream connection receives at once (rudra_async.bodies):
+        #: two, one updating the weights while the next arrives, whatever the number of learners
+        self.bodies = BodyBudget()
         self._sessions: dict[Connection, Session] = {}  # in order of arrival
         self._unregistered: dict[Session, Connection] = {}  # sessions before hello, oldest first
         self._watchdog: asyncio.Task[None] | None = None
@@ -224,6 +228,7 @@ class ParameterServer:
                 log.error("the final checkpoint is not written: the weights are undefined (%s)", self.failure)
         finally:
             self.pipeline.close()
+            self.bodies.clear()
 
     async def __aenter__(self) -> ParameterServer:
         await self.start()
@@ -420,6 +425,7 @@ class ParameterServer:
             _turn_away(victim_conn, "evicted", message)
         session = Session(self, conn)
         conn.admit = session.admit
+        conn.bodies = self.bodies
         self._sessions[conn] = session
         self._unregistered[session] = conn
 

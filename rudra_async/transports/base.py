@@ -101,9 +101,10 @@ import numpy as np
 
 from ..addresses import format_host_port as format_host_port
 from ..addresses import parse_host_port as parse_host_port
+from ..bodies import BodyBudget, BodyLease
 from ..errors import PeerGone, RudraError, TransportError, WireError
 from ..wire import Admit, Allocator, Frame, FrameReader, Header, Limits
-from .core import ConnectionCore
+from .core import ConnectionCore, collect
 
 if TYPE_CHECKING:
     from .blocking import BlockingConnection
@@ -149,6 +150,9 @@ class Connection(abc.ABC):
     #: optional hook checking each incoming header before anything of its frame is
     #: allocated (see ``wire.Admit``); a server sets it when the connection is accepted
     admit: Admit | None = None
+    #: optional budget of large bodies shared with other connections (a server's: see
+    #: :mod:`rudra_async.bodies`); honoured by stream transports, ignored by the others
+    bodies: BodyBudget | None = None
     #: optional hook offered each received frame that finds the inbox empty, from the
     #: transport's callback: True means it took (and answered) the frame, which is then not
     #: queued; False queues it as usual. A server sets it only while it waits in ``recv``.
@@ -298,6 +302,12 @@ class Connection(abc.ABC):
         """Report ``nbytes`` written into ``reader.get_buffer()``; deliver the frames it
         completes, then the fatal error it raises."""
         for item in self.core.read(reader, nbytes):
+            self._deliver(item)
+
+    def _resume_body(self, reader: FrameReader, lease: BodyLease) -> None:
+        """Hand ``reader``'s waiting body ``lease``'s buffer; deliver the frames the bytes read
+        meanwhile complete, then the fatal error they raise."""
+        for item in collect(lambda: reader.resume(lease)):
             self._deliver(item)
 
     def _sending(self, parts: list[bytes | memoryview]) -> list[bytes | memoryview]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import copy
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..errors import ConnectionClosed, PeerGone, RudraError, WireError
@@ -106,10 +106,7 @@ class ConnectionCore:
         """Count ``nbytes`` written into ``reader.get_buffer()`` and return what they
         complete: frames, then the fatal error they raised, if any."""
         self.bytes_in += nbytes
-        try:
-            return list(reader.advance(nbytes))
-        except WireError as exc:
-            return [*exc.take_finished(), exc]
+        return collect(lambda: reader.advance(nbytes))
 
     def sending(self, parts: Sequence[bytes | memoryview]) -> None:
         """Count an encoded frame's buffers as sent."""
@@ -147,3 +144,11 @@ def fresh(exc: E) -> E:
     copied = copy.copy(exc)
     copied.__traceback__ = None
     return copied
+
+
+def collect(produce: Callable[[], list[Frame]]) -> list[Frame | WireError]:
+    """The frames ``produce()`` returns, or those it finished and then the fatal error it raised."""
+    try:
+        return list(produce())
+    except WireError as exc:
+        return [*exc.take_finished(), exc]

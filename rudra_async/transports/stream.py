@@ -13,6 +13,7 @@ not wait for a sleeping thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -21,12 +22,17 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
+from ..bodies import BodyBudget, BodyLease
 from ..errors import ConnectError, ConnectionClosed, PeerGone, Unreachable
 from ..wire import FrameReader, Limits, encode_frame
 from . import offload
 from .base import Connection, OnAccept, OnConnection, ServingListener, format_host_port, tune_tcp
 from .polling import loop_poller
 
+log = logging.getLogger(__name__)
+
+#: how long a body waits for a buffer of a server's budget before one more is allocated
+BODY_WAIT_S = 5.0
 LINGER_S = 2.0  # after a fatal framing error, how long to drain input before closing
 
 #: transports half-closed and draining their input (see ``_close_link``), with their loops
@@ -69,6 +75,18 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self._thread_stop = threading.Event()  # set when the connection ends: the thread gives up
         #: called by a close before the transport exists (e.g. to abort a TLS handshake)
         self.abort_connecting: Callable[[], None] | None = None
+        #: while a body waits for a budget's buffer: the budget, the timer of the wait's limit, the loop
+        self._body_wait: tuple[BodyBudget, asyncio.TimerHandle, asyncio.AbstractEventLoop] | None = None
+
+    @property
+    def bodies(self) -> BodyBudget | None:
+        """The budget this connection's large bodies are received through (see
+        :mod:`rudra_async.bodies`): set by a server when it accepts the connection."""
+        return self._reader.budget
+
+    @bodies.setter
+    def bodies(self, budget: BodyBudget | None) -> None:
+        self._reader.budget = budget
 
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -93,9 +111,68 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         if self.core.fatal is not None:
             return
         self._advance(self._reader, nbytes)
-        if self._inbox_full and self.core.fatal is None and not self._reading_paused and self._transport is not None:
+        if self._reader.waiting and self._body_wait is None and self.core.fatal is None:
+            self._wait_for_body()
+        if (
+            (self._inbox_full or self._reader.waiting)
+            and self.core.fatal is None
+            and not self._reading_paused
+            and self._transport is not None
+        ):
             self._reading_paused = True
             self._transport.pause_reading()
+
+    # -- waiting for a body's buffer (a server's budget) -----------------------------------
+    def _wait_for_body(self) -> None:
+        """Stop reading until the budget has a buffer for the waiting body (or, after
+        :data:`BODY_WAIT_S`, take one beyond it, with a warning)."""
+        budget, loop = self._reader.budget, asyncio.get_running_loop()
+        assert budget is not None
+        timer = loop.call_later(BODY_WAIT_S, self._body_wait_too_long)
+        self._body_wait = (budget, timer, loop)
+        budget.wait(self._reader.waiting, self._body_free)
+
+    def _body_free(self, lease: BodyLease) -> None:
+        """The budget's callback (on the thread that gave a buffer back)."""
+        wait = self._body_wait
+        try:
+            if wait is None:
+                raise RuntimeError("no longer waiting")
+            wait[2].call_soon_threadsafe(self._take_body_buffer, lease)
+        except RuntimeError:  # the wait ended, or the loop is closed: nothing will read the body
+            lease.give_back()
+
+    def _body_wait_too_long(self) -> None:
+        if self._body_wait is not None and self._reader.waiting:
+            budget = self._body_wait[0]
+            budget.cancel(self._body_free)
+            log.warning(
+                "%s: no gradient buffer came free within %g s (%d in use, %d waiting): receiving into one more",
+                self.peer,
+                BODY_WAIT_S,
+                budget.in_use,
+                budget.waiting,
+            )
+            lease = budget.take(self._reader.waiting, force=True)
+            assert lease is not None
+            self._take_body_buffer(lease)
+
+    def _take_body_buffer(self, lease: BodyLease) -> None:
+        if self._body_wait is not None:
+            self._body_wait[1].cancel()
+            self._body_wait = None
+        if self.core.fatal is not None or self.is_closed or not self._reader.waiting:
+            lease.give_back()
+            return
+        self._resume_body(self._reader, lease)
+        self._on_consumed()
+
+    def _end_body_wait(self) -> None:
+        if self._body_wait is not None:
+            budget, timer, _ = self._body_wait
+            self._body_wait = None
+            timer.cancel()
+            budget.cancel(self._body_free)
 
     def eof_received(self) -> bool:
         return False
@@ -255,13 +332,19 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             pass
 
     def _on_consumed(self) -> None:
-        if self._reading_paused and len(self.core.inbox) <= self.core.inbox_frames // 2 and self._transport is not None:
+        if (
+            self._reading_paused
+            and not self._reader.waiting
+            and len(self.core.inbox) <= self.core.inbox_frames // 2
+            and self._transport is not None
+        ):
             self._reading_paused = False
             self._transport.resume_reading()
 
     def _close_link(self) -> None:
         self._drained.set()
         self._thread_stop.set()
+        self._end_body_wait()
         self._reader.close()  # its buffers go now, not when the cycle collector runs
         transport = self._transport
         if transport is None:

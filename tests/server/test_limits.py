@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import free_port, initial_weights, read_frame, reap, rss_mb, run_server, start_server, subprocess_env
 
+from rudra_async.bodies import BodyBudget
 from rudra_async.client import Client
 from rudra_async.layout import Layout
 from rudra_async.wire import HEADER, MAGIC, BufferPool, MsgType, encode_frame
@@ -95,7 +96,16 @@ async def test_buffers_are_freed_when_a_connection_closes_without_the_cycle_coll
         taken.append(weakref.ref(buf))
         return buf
 
+    original_lease = BodyBudget.take
+
+    def tracking_lease(self, nbytes, *, force=False):
+        lease = original_lease(self, nbytes, force=force)
+        if lease is not None:
+            taken.append(weakref.ref(lease.buffer))
+        return lease
+
     monkeypatch.setattr(BufferPool, "take", tracking)
+    monkeypatch.setattr(BodyBudget, "take", tracking_lease)
     layout = Layout.from_shapes([("w", (4 * MiB,))])  # 16 MiB of weights
     gc.collect()
     gc.disable()
@@ -117,8 +127,10 @@ async def test_buffers_are_freed_when_a_connection_closes_without_the_cycle_coll
                 if not ps._sessions:
                     break
             assert len(taken) >= 3
-            alive = [ref() for ref in taken if ref() is not None]
+            kept = {id(b) for b in ps.bodies.kept}  # the server's warm buffers, for any connection's next push
+            alive = [ref() for ref in taken if ref() is not None and id(ref()) not in kept]
             assert not alive, f"{len(alive)} body buffers ({sum(b.nbytes for b in alive)} bytes) outlive the connection"
+            assert ps.bodies.in_use == 0 and len(kept) <= ps.bodies.limit
     finally:
         gc.enable()
 
