@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import uvloop
 
-from rudra_async.client import connect
+from rudra_async.client import SyncClient, connect
 from rudra_async.config import ServerConfig
 from rudra_async.layout import Layout, Shard
 from rudra_async.server import ParameterServer
@@ -187,6 +187,25 @@ async def rudra_round_trips(
     return times[1:]
 
 
+def blocking_round_trips(
+    url: str, size: int, reps: int, after_warmup: Callable[[], None] = lambda: None
+) -> list[float]:
+    """:func:`rudra_round_trips` through :class:`~rudra_async.client.SyncClient`, the blocking
+    client a learner's ``DistributedOptimizer`` uses."""
+    client = SyncClient(url, Layout.from_shapes([("w", (size,))]))
+    grad = np.full(size, 1e-3, np.float32)
+    w = client.pull()
+    times = []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        w = client.push_pull(grad, w.timestamp)
+        times.append(time.perf_counter() - t)
+        if i == 0:
+            after_warmup()
+    client.close()
+    return times[1:]
+
+
 def raw_median(ctx, nbytes: int, reps: int, poll: bool = False) -> tuple[float, CpuMeter]:
     """Median seconds per round trip of the raw echo (``poll``: both ends busy-poll), and
     both sides' CPU per round trip."""
@@ -205,7 +224,9 @@ def measure(size: int, reps: int, polled_raw: bool = False) -> dict:
     raw, raw_cpu = raw_median(ctx, nbytes, reps)
     rudra_cpu: list[CpuMeter] = []
     rudra_times, update_per_rt = rudra_group(ctx, size, reps, 1, rudra_cpu)
+    blocking_times, _ = rudra_group(ctx, size, reps, 1, blocking=True)
     return {
+        "blocking": statistics.median(blocking_times),
         "bytes_per_rt": 2 * nbytes,
         "raw": raw,
         "raw_polled": raw_median(ctx, nbytes, reps, poll=True)[0] if polled_raw else None,
@@ -216,11 +237,14 @@ def measure(size: int, reps: int, polled_raw: bool = False) -> dict:
     }
 
 
-def rudra_group(ctx, size: int, reps: int, shards: int, cpu: list[CpuMeter] | None = None) -> tuple[list[float], float]:
+def rudra_group(
+    ctx, size: int, reps: int, shards: int, cpu: list[CpuMeter] | None = None, blocking: bool = False
+) -> tuple[list[float], float]:
     """Round-trip times against ``shards`` server processes, and the slowest shard's update
     time per round trip over the timed ones (the warm-up's first update, which touches the
     momentum's pages for the first time, left out). With ``cpu``, one :class:`CpuMeter` per
-    shard is appended to it (this process's CPU in each)."""
+    shard is appended to it (this process's CPU in each). ``blocking``: through the
+    SyncClient (one server only), not the asyncio Client."""
     port_q = ctx.Queue()
     pipes, procs = [], []
     for i in range(shards):
@@ -240,7 +264,11 @@ def rudra_group(ctx, size: int, reps: int, shards: int, cpu: list[CpuMeter] | No
         for meter in meters:
             meter.start()
 
-    times = uvloop.run(rudra_round_trips(",".join(by_shard[i] for i in range(shards)), size, reps, after_warmup=mark))
+    url = ",".join(by_shard[i] for i in range(shards))
+    if blocking:
+        times = blocking_round_trips(url, size, reps, after_warmup=mark)
+    else:
+        times = uvloop.run(rudra_round_trips(url, size, reps, after_warmup=mark))
     for meter in meters:
         meter.stop(reps)
     if cpu is not None:
@@ -273,6 +301,10 @@ def main() -> None:
     print(
         f"  rudra-async, whole trip    : {big['rudra'] * 1e3:8.1f} ms  {gbps(big['rudra']):6.2f} GB/s   ratio {big['raw'] / big['rudra']:.2f}x"
     )
+    print(
+        f"  the same, SyncClient       : {big['blocking'] * 1e3:8.1f} ms  {gbps(big['blocking']):6.2f} GB/s   "
+        f"ratio {big['raw'] / big['blocking']:.2f}x"
+    )
     print(f"    of which server update   : {big['update'] * 1e3:8.1f} ms")
     print(
         f"  rudra-async, transport only: {transport * 1e3:8.1f} ms  {gbps(transport):6.2f} GB/s   ratio {big['raw'] / transport:.2f}x"
@@ -295,6 +327,10 @@ def main() -> None:
     print(f"small message ({4 * args.small_floats} B each way), median of {args.small_reps}")
     print(f"  raw uvloop socket baseline : {small['raw'] * 1e6:8.1f} us")
     print(f"  rudra-async push+pull      : {small['rudra'] * 1e6:8.1f} us   ratio {small['raw'] / small['rudra']:.2f}x")
+    print(
+        f"  the same, SyncClient       : {small['blocking'] * 1e6:8.1f} us   ratio {small['raw'] / small['blocking']:.2f}x"
+        "   (the blocking client a learner's DistributedOptimizer uses)"
+    )
     if small["raw_polled"] is not None:  # what the raw socket does with the same busy polling, for context
         print(
             f"  raw socket, busy-polling as rudra-async does ({polling.window() * 1e6:g} us window): "

@@ -10,6 +10,7 @@ driver stops it, after printing ``ADDRESS <url>``.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 from benchmarks.peers.common import LR, MOMENTUM, TRAIN_LR, Spec, apply_single_thread_env
@@ -20,6 +21,9 @@ from rudra_async.config import ServerConfig  # noqa: E402  (after the thread set
 from rudra_async.eventloop import run  # noqa: E402
 from rudra_async.server import ParameterServer  # noqa: E402
 
+#: the server's update kernel (``--kernel``), set by the driver's ``--server-kernel``
+KERNEL_ENV = "RUDRA_BENCH_SERVER_KERNEL"
+
 
 def serve(spec: Spec) -> None:
     cfg = ServerConfig(
@@ -28,6 +32,7 @@ def serve(spec: Spec) -> None:
         n=spec.n if spec.mode == "softsync" else None,
         lr=LR if spec.workload in ("a0", "small") else TRAIN_LR,
         momentum=MOMENTUM,
+        kernel=os.environ.get(KERNEL_ENV, "auto"),
     )
 
     async def until_killed() -> None:
