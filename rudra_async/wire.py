@@ -292,6 +292,7 @@ class Frame:
     written: Callable[[], int] | None = None
     lent: Callable[[], bool] | None = None
     _set_aside: Callable[[], None] | None = None
+    _consumed: Callable[[], None] | None = None
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -314,6 +315,14 @@ class Frame:
         a no-op for a body outside any budget."""
         if self._set_aside is not None:
             self._set_aside()
+
+    def consumed(self) -> None:
+        """The body will not be read again (from any thread; the frame must still be
+        released): a transport may let its sender reuse the memory at once (shm: the body's
+        ticket is stored in the sender's segment, so its next push needs no second one)."""
+        consumed, self._consumed = self._consumed, None
+        if consumed is not None:
+            consumed()
 
     def take(self) -> Frame:
         """Move ownership of the body to a new Frame, which the caller must release; this one's

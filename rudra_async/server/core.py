@@ -849,9 +849,10 @@ class ServerCore:
         weights_bound, momentum_bound = self._bounds(magnitudes, scales, worst)  # the largest group's rates bound all
         grads = [p.grad for p in pendings]
         releases = [p.frame.release for p in pendings]  # once the update has read the gradients
+        consumed = [p.frame.consumed for p in pendings]  # ... told from the update thread, before its last piece
         dc = (cfg.dc_lambda, bases) if bases is not None else None
         if max(weights_bound, momentum_bound) <= SAFE_MAGNITUDE:
-            store.apply(grads, scales, steps, after=releases, dc=dc)
+            store.apply(grads, scales, steps, after=releases, dc=dc, consumed=consumed)
             self._weights_bound, self._momentum_bound = weights_bound, momentum_bound
         elif store.apply(grads, scales, steps, check=True, after=releases, dc=dc):
             self._weights_bound = max_abs(store.weights)  # exact again after a near miss

@@ -275,13 +275,16 @@ class WeightStore:
         check: bool = False,
         after: Iterable[Callable[[], None]] = (),
         dc: tuple[float, Sequence[np.ndarray | None]] | None = None,
+        consumed: Sequence[Callable[[], None]] = (),
     ) -> bool:
         """Fold the gradients into the weights and advance the clock. The gradients must stay
         unchanged until the update is computed; then each of ``after`` is called (at once,
         or from :meth:`finish` after a background update). ``dc``: (λ_dc, one version of
         :meth:`versions` per gradient): each gradient with a version is delay-compensated
         first (:func:`~rudra_async.kernels.delay.delay_compensated`), with the weights this
-        update starts from.
+        update starts from. ``consumed``: for a background update, called on the update
+        thread once the gradients are read, before the last piece of the new weights is
+        published (a learner that has all of its reply finds its gradient's memory free).
 
         With ``check``, the new weights are computed (on this thread) into a spare buffer and
         the momentum is saved first; if any new weight or momentum value is not finite, both
@@ -302,7 +305,9 @@ class WeightStore:
             else:
                 background, self._after = self._background, list(after)
                 self._progress = progress = Progress(dst.nbytes)
-                self._in_flight = background.submit(self._compute, src, dst, grads, scales, steps, progress, dc)
+                self._in_flight = background.submit(
+                    self._compute, src, dst, grads, scales, steps, progress, dc, consumed
+                )
                 self._in_flight.add_done_callback(lambda _: background.wake())
             return True
         saved = self.updater.momentum
@@ -333,10 +338,12 @@ class WeightStore:
         steps: Steps,
         progress: Progress | None = None,
         dc: tuple[float, Sequence[np.ndarray | None]] | None = None,
+        consumed: Sequence[Callable[[], None]] = (),
     ) -> None:
         """Compute the update into ``dst``; with ``progress``, piece by piece in order (if the
         backend can), advancing it after each piece; it ends complete or failed. ``dc``: see
-        :meth:`apply` (the compensated gradients are computed whole, first)."""
+        :meth:`apply` (the compensated gradients are computed whole, first). Each of
+        ``consumed`` is called once every gradient is read, before the last piece is published."""
         t0 = time.perf_counter()
         updater, size, background = self.updater, self.layout.size, self._background
         if dc is not None:
@@ -347,12 +354,15 @@ class WeightStore:
         try:
             if not spread and (progress is None or not updater.partial):
                 updater.apply(src, dst, grads, scales, steps)
+                _call_all(consumed)
             elif spread:  # every piece on a part thread, copied from src there: the same bits
                 assert background is not None
                 spans = self._pieces()
                 others = [background.spread(updater.apply, src, dst, grads, scales, steps, span) for span in spans]
-                for (_, hi), part in zip(spans, others):
+                for i, ((_, hi), part) in enumerate(zip(spans, others)):
                     part.result()
+                    if i == len(spans) - 1:
+                        _call_all(consumed)
                     if progress is not None:
                         progress.advance(4 * hi)
             else:
@@ -363,6 +373,8 @@ class WeightStore:
                     if others:  # dst holds src's values there once copied: the same step, in place
                         others[i].result()
                     updater.apply(dst if others else src, dst, grads, scales, steps, span=spans[i])
+                    if i == len(spans) - 1:
+                        _call_all(consumed)
                     progress.advance(4 * hi)
         except BaseException as exc:
             for job in others:  # none may write into dst once this has failed

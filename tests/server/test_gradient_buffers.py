@@ -2,6 +2,7 @@
 budget of two buffers (rudra_async.bodies), whatever λ, and loses no update."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from helpers import server_thread
 
 from rudra_async.bodies import BodyBudget
 from rudra_async.client import SyncClient
+from rudra_async.kernels.numpy_kernel import NumpyUpdater
 from rudra_async.layout import Layout
 
 
@@ -32,6 +34,13 @@ def test_four_learners_pushing_at_once_use_two_gradient_buffers_and_lose_no_upda
 
     monkeypatch.setattr(BodyBudget, "take", counting_take)
     monkeypatch.setattr(BodyBudget, "wait", counting_wait)
+    real_apply = NumpyUpdater.apply
+
+    def slow_apply(self, *args, **kwargs):
+        time.sleep(0.02)  # the others' pushes arrive meanwhile: more than two want a buffer
+        real_apply(self, *args, **kwargs)
+
+    monkeypatch.setattr(NumpyUpdater, "apply", slow_apply)
     layout = Layout.from_shapes([("w", (n,))])
     with server_thread(protocol=protocol, lr=lr, momentum=0.0, lr_policy="constant", kernel="numpy") as ps:
         start = threading.Barrier(4)
@@ -55,5 +64,6 @@ def test_four_learners_pushing_at_once_use_two_gradient_buffers_and_lose_no_upda
         np.testing.assert_array_equal(ps.core.store.weights, np.full(n, expected, np.float32))
         assert ps.bodies.in_use == 0
     assert peak and max(peak) <= 2
-    assert waits  # the budget bound: some pushes waited for a buffer
+    if protocol == "async":  # hardsync sets each push aside once read: whether a third overlaps is timing
+        assert waits  # the budget bound: some pushes waited for a buffer
     assert "no gradient buffer came free" not in caplog.text

@@ -60,6 +60,29 @@ def test_blocking_shm_moves_large_bodies_through_shared_memory_and_leaves_nothin
     assert set(os.listdir("/dev/shm")) <= before  # every segment unlinked
 
 
+def test_a_gradient_applied_on_the_update_thread_frees_its_segment_before_the_reply_is_whole():
+    """A model large enough for background updates, whose reply goes out while its update is
+    computed: the update thread stores the gradient's ticket before it publishes the last
+    piece, so a learner pushing again at once (no compute between) reuses its one segment
+    rather than making a second model-sized one, and every update is still exact."""
+    from rudra_async.layout import Layout
+    from rudra_async.server.store import BACKGROUND_MIN_VALUES
+
+    n = BACKGROUND_MIN_VALUES
+    layout = Layout.from_shapes([("w", (n,))])
+    grad = np.full(n, 2.0**-4, np.float32)
+    with server_thread(listen=["shm://"], lr=0.5, momentum=0.0, lr_policy="constant", kernel="numpy") as ps:
+        assert not ps.core.store or not ps.core.store.updates_inline
+        with SyncClient(ps.addresses[0], layout, np.zeros(n, np.float32)) as client:
+            conn = client._client.conn
+            w = client.pull()
+            for step in range(1, 9):
+                w = client.push_pull(grad, w.timestamp)
+                assert w.array[0] == w.array[-1] == -step * 2.0**-5
+            assert not ps.core.store.updates_inline
+            assert len(conn._out.segments) == 1
+
+
 def test_blocking_shm_refuses_tls_and_a_name_nobody_serves():
     from rudra_async.errors import ConfigError
 

@@ -299,6 +299,11 @@ class _Attached:
         self._control[0] = ticket
         return bool(self._control[1])
 
+    def consume(self, ticket: int) -> None:
+        """:meth:`mark_released` from any thread, before the frame's release (which stores
+        the ticket again and sends the notice if the owner waits for one)."""
+        self.mark_released(ticket)
+
     def close(self) -> None:
         self._closed, self._control = True, None  # a view of the mapping: must go before it closes
         self.buf.release()
@@ -366,7 +371,8 @@ def resolve_reference(
         give_back = functools.partial(release, name, offset, ticket) if named else None
         return Frame(frame.msg_type, meta, memoryview(b""), [], err, give_back)
     give_back = functools.partial(release, name, offset, ticket)
-    return Frame(frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, give_back)
+    consumed = functools.partial(shm.consume, ticket) if ticket is not None else None
+    return Frame(frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, give_back, _consumed=consumed)
 
 
 def peer_uid(sock: Any) -> int:
