@@ -242,6 +242,13 @@ class ServerConfig:
         "process may use.",
         low=0,
     )
+    gradient_buffers: int = setting(
+        2,
+        "Pushed gradients of 1 MiB or more that stream connections (tcp) receive at once, over all of them: a "
+        "push beyond waits in its socket for a buffer (one that a protocol holds does not count). Two: one "
+        "updates the weights while the next arrives; one halves that memory, more rarely helps.",
+        low=1,
+    )
     checkpoint: str | None = setting(
         None,
         "Write weights, momentum and clock here (atomically) when the server "

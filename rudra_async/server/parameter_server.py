@@ -117,9 +117,9 @@ class ParameterServer:
         self.closing_reason = ""  # why the server is shutting down (told to learners)
         #: what every connection bringing initial weights (a HELLO before the model exists) may hold at once
         self.initial_bytes = Budget(2 * cfg.max_model_bytes)
-        #: the large gradients every stream connection receives at once (rudra_async.bodies):
-        #: two, one updating the weights while the next arrives, whatever the number of learners
-        self.bodies = BodyBudget()
+        #: the large gradients all stream connections receive at once (rudra_async.bodies),
+        #: --gradient-buffers of them whatever the number of learners
+        self.bodies = BodyBudget(cfg.gradient_buffers)
         self._sessions: dict[Connection, Session] = {}  # in order of arrival
         self._unregistered: dict[Session, Connection] = {}  # sessions before hello, oldest first
         self._watchdog: asyncio.Task[None] | None = None

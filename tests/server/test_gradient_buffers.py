@@ -14,10 +14,12 @@ from rudra_async.kernels.numpy_kernel import NumpyUpdater
 from rudra_async.layout import Layout
 
 
-@pytest.mark.parametrize("protocol", ["async", "hardsync"])
-def test_four_learners_pushing_at_once_use_two_gradient_buffers_and_lose_no_update(protocol, monkeypatch, caplog):
-    """λ = 4 over TCP, large gradients: never more than two in use (hardsync's held ones
-    set aside, so no round waits for a buffer: no warning), every update applied exactly."""
+@pytest.mark.parametrize(("protocol", "buffers"), [("async", 2), ("hardsync", 2), ("async", 1)])
+def test_four_learners_pushing_at_once_use_the_gradient_buffers_and_lose_no_update(
+    protocol, buffers, monkeypatch, caplog
+):
+    """λ = 4 over TCP, large gradients: never more than --gradient-buffers in use (hardsync's
+    held ones set aside, so no round waits for a buffer: no warning), every update exact."""
     n, steps, lr = 1 << 19, 6, 0.5  # 2 MiB of float32
     peak, real_take = [], BodyBudget.take
 
@@ -42,7 +44,8 @@ def test_four_learners_pushing_at_once_use_two_gradient_buffers_and_lose_no_upda
 
     monkeypatch.setattr(NumpyUpdater, "apply", slow_apply)
     layout = Layout.from_shapes([("w", (n,))])
-    with server_thread(protocol=protocol, lr=lr, momentum=0.0, lr_policy="constant", kernel="numpy") as ps:
+    settings = {"lr": lr, "momentum": 0.0, "lr_policy": "constant", "kernel": "numpy", "gradient_buffers": buffers}
+    with server_thread(protocol=protocol, **settings) as ps:
         start = threading.Barrier(4)
 
         def learner(i):
@@ -63,7 +66,7 @@ def test_four_learners_pushing_at_once_use_two_gradient_buffers_and_lose_no_upda
         expected = -4 * steps * lr * 2.0**-10 / (1 if protocol == "async" else 4)
         np.testing.assert_array_equal(ps.core.store.weights, np.full(n, expected, np.float32))
         assert ps.bodies.in_use == 0
-    assert peak and max(peak) <= 2
+    assert peak and max(peak) <= buffers
     if protocol == "async":  # hardsync sets each push aside once read: whether a third overlaps is timing
         assert waits  # the budget bound: some pushes waited for a buffer
     assert "no gradient buffer came free" not in caplog.text
