@@ -328,7 +328,7 @@ class Frame:
         """Move ownership of the body to a new Frame, which the caller must release; this one's
         :meth:`release` becomes a no-op (for a consumer that keeps a frame past its handler)."""
         taken = replace(self)
-        self._release = None
+        self._release = self._set_aside = self._consumed = None
         return taken
 
 
@@ -460,6 +460,8 @@ class FrameReader:
         """Receive the waiting body into ``lease``'s buffer (see :attr:`waiting`); the frames
         the bytes read meanwhile finish."""
         assert self._state == "waiting" and self._header is not None, "resume() only while waiting"
+        if len(lease.buffer) < self._header.body_len:
+            raise ValueError("a lease smaller than the waiting body")
         self._start_body(lease)
         pending, self._pending = self._pending, bytearray()
         return self._feed(memoryview(pending), len(pending))
@@ -594,6 +596,6 @@ class FrameReader:
         self.pool.keep = 0
         if self._lease is not None:  # a body in progress: its buffer goes back to the budget
             self._lease.give_back()
-        self.allocate = self.admit = None
+        self.allocate = self.admit = self.budget = None  # bytes read after this (a lingering close) take no lease
         self._pending = bytearray()
         self._begin_header()

@@ -23,6 +23,7 @@ so no update writes into them) for delay compensation (:meth:`WeightStore.versio
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -43,6 +44,8 @@ from ..layout import Layout
 #: more than the overlap frees. Measured with ``benchmarks/handover.py`` and the peer
 #: driver: at 580K values (its CNN) a step's push+pull is 0.3–1 ms shorter inline; at 1M
 #: values 4 learners without compute get 10–40% more updates/s inline; at 4M, about equal.
+log = logging.getLogger(__name__)
+
 BACKGROUND_MIN_VALUES = 1 << 21
 
 
@@ -354,7 +357,7 @@ class WeightStore:
         try:
             if not spread and (progress is None or not updater.partial):
                 updater.apply(src, dst, grads, scales, steps)
-                _call_all(consumed)
+                _tell_consumed(consumed)
             elif spread:  # every piece on a part thread, copied from src there: the same bits
                 assert background is not None
                 spans = self._pieces()
@@ -362,7 +365,7 @@ class WeightStore:
                 for i, ((_, hi), part) in enumerate(zip(spans, others)):
                     part.result()
                     if i == len(spans) - 1:
-                        _call_all(consumed)
+                        _tell_consumed(consumed)
                     if progress is not None:
                         progress.advance(4 * hi)
             else:
@@ -374,7 +377,7 @@ class WeightStore:
                         others[i].result()
                     updater.apply(dst if others else src, dst, grads, scales, steps, span=spans[i])
                     if i == len(spans) - 1:
-                        _call_all(consumed)
+                        _tell_consumed(consumed)
                     progress.advance(4 * hi)
         except BaseException as exc:
             for job in others:  # none may write into dst once this has failed
@@ -466,6 +469,16 @@ class WeightStore:
             for buf in self._buffers:
                 self._free(buf)
         self._buffers.clear()
+
+
+def _tell_consumed(consumed: Iterable[Callable[[], None]]) -> None:
+    """Call each ``consumed`` hook (from the update thread): an optimisation, whose failure
+    (a connection closing meanwhile) is logged, never the update's."""
+    for hook in consumed:
+        try:
+            hook()
+        except Exception:
+            log.warning("telling a transport that a gradient was read failed", exc_info=True)
 
 
 def _call_all(callbacks: Iterable[Callable[[], None]]) -> None:

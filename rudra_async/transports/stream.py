@@ -77,6 +77,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         self.abort_connecting: Callable[[], None] | None = None
         #: while a body waits for a budget's buffer: the budget, the timer of the wait's limit, the loop
         self._body_wait: tuple[BodyBudget, asyncio.TimerHandle, asyncio.AbstractEventLoop] | None = None
+        self._waiter = self._body_free  # one bound method, so that the budget can cancel it
 
     @property
     def bodies(self) -> BodyBudget | None:
@@ -130,7 +131,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         assert budget is not None
         timer = loop.call_later(BODY_WAIT_S, self._body_wait_too_long)
         self._body_wait = (budget, timer, loop)
-        budget.wait(self._reader.waiting, self._body_free)
+        budget.wait(self._reader.waiting, self._waiter)
 
     def _body_free(self, lease: BodyLease) -> None:
         """The budget's callback (on the thread that gave a buffer back)."""
@@ -145,7 +146,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
     def _body_wait_too_long(self) -> None:
         if self._body_wait is not None and self._reader.waiting:
             budget = self._body_wait[0]
-            budget.cancel(self._body_free)
+            budget.cancel(self._waiter)
             log.warning(
                 "%s: no gradient buffer came free within %g s (%d in use, %d waiting): receiving into one more",
                 self.peer,
@@ -164,6 +165,10 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         if self.core.fatal is not None or self.is_closed or not self._reader.waiting:
             lease.give_back()
             return
+        if len(lease.buffer) < self._reader.waiting:  # meant for another body: wait again
+            lease.give_back()
+            self._wait_for_body()
+            return
         self._resume_body(self._reader, lease)
         self._on_consumed()
 
@@ -172,7 +177,7 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             budget, timer, _ = self._body_wait
             self._body_wait = None
             timer.cancel()
-            budget.cancel(self._body_free)
+            budget.cancel(self._waiter)
 
     def eof_received(self) -> bool:
         return False
@@ -183,6 +188,8 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
             self._connection_lost(PeerGone("connection lost in the middle of a frame"))
         else:
             self._connection_lost(PeerGone(f"connection closed by peer{': ' + str(exc) if exc else ''}"))
+        self._end_body_wait()
+        self._reader.close()  # a body in progress gives its buffer back (after a lingering close too)
 
     def resume_writing(self) -> None:
         self._drained.set()

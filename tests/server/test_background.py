@@ -638,3 +638,26 @@ def test_a_piece_that_fails_on_a_part_thread_fails_the_update_once_no_piece_is_b
     assert len(failures) == 1
     s.close()
     background.close()
+
+
+def test_a_consumed_hook_that_fails_is_logged_and_the_update_still_holds(caplog):
+    """``consumed`` (a transport told early that a gradient was read, from the update thread)
+    is an optimisation: its failure is a warning, never the update's."""
+    n = store.BACKGROUND_MIN_VALUES
+    background = Background(threads=1)
+    ws = WeightStore(Layout.from_shapes([("w", (n,))]), np.zeros(n, np.float32), "numpy", background=background)
+    told = []
+
+    def fails():
+        raise RuntimeError("the connection closed meanwhile")
+
+    try:
+        with caplog.at_level("WARNING", "rudra_async.server.store"):
+            ws.apply([np.ones(n, np.float32)], [1.0], SGD(0.5), consumed=[fails, lambda: told.append(1)])
+            ws.finish()
+        assert told == [1] and ws.failure is None
+        np.testing.assert_array_equal(ws.weights, np.full(n, -0.5, np.float32))
+        assert "telling a transport that a gradient was read failed" in caplog.text
+    finally:
+        ws.close()
+        background.close()

@@ -111,6 +111,26 @@ def test_a_late_notice_for_an_earlier_body_does_not_free_a_reused_segment():
         out.destroy()
 
 
+def test_a_receiver_never_stores_an_earlier_ticket_over_a_later_one():
+    """Tickets are stored from the update thread (as soon as a gradient is read) and again at
+    its release: a store for an earlier body never makes the later one look unreleased."""
+    out = shm.segments._Outgoing()
+    try:
+        body = np.ones(1 << 18, np.float32)
+        seg, first = out.take([body], body.nbytes)
+        attached = shm.segments._Attached(seg.shm.name, os.getuid())
+        attached.consume(first)
+        again, second = out.take([body], body.nbytes)
+        assert again is seg and second == first + 1
+        attached.mark_released(second)
+        attached.mark_released(first)  # the first body's release, late
+        assert seg.free
+        attached.close()
+        attached.consume(second)  # after a close: nothing to store, no error
+    finally:
+        out.destroy()
+
+
 async def test_a_blocking_sender_waits_for_a_segment_and_is_woken_by_the_notice():
     frames, conns = [], []
 

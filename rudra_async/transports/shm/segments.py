@@ -274,6 +274,7 @@ class _Attached:
         self.buf = memoryview(self._mmap)
         self._control: np.ndarray | None = None
         self._closed = False
+        self._lock = threading.Lock()  # tickets are stored from the update thread too (consume)
 
     def word(self, at: Any, lo: int, hi: int) -> np.ndarray | None:
         """A view of the int64 progress word at byte ``at``, if ``at`` is an int, 8-byte
@@ -292,12 +293,14 @@ class _Attached:
     def mark_released(self, ticket: int) -> bool:
         """Store ``ticket`` as released in the owner's control block; True if the owner
         waits for a segment (or the block is gone), so a RELEASE notice must follow."""
-        if self._control is None:
-            if self._closed or self.room == self.size:
-                return True
-            self._control = np.frombuffer(self.buf, np.int64, 2, self.size - CONTROL)
-        self._control[0] = ticket
-        return bool(self._control[1])
+        with self._lock:
+            if self._control is None:
+                if self._closed or self.room == self.size:
+                    return True
+                self._control = np.frombuffer(self.buf, np.int64, 2, self.size - CONTROL)
+            control = self._control
+            control[0] = max(ticket, int(control[0]))  # never back to an earlier body's ticket
+            return bool(control[1])
 
     def consume(self, ticket: int) -> None:
         """:meth:`mark_released` from any thread, before the frame's release (which stores
@@ -305,7 +308,8 @@ class _Attached:
         self.mark_released(ticket)
 
     def close(self) -> None:
-        self._closed, self._control = True, None  # a view of the mapping: must go before it closes
+        with self._lock:
+            self._closed, self._control = True, None  # a view of the mapping: must go before it closes
         self.buf.release()
         try:
             self._mmap.close()
