@@ -73,6 +73,16 @@ class ServerCollector(Collector):
         yield GaugeMetricFamily(
             "rudra_learners_blocked", "Learners whose request waits on the protocol now.", value=len(ps.blocked)
         )
+        yield GaugeMetricFamily(
+            "rudra_gradient_buffers_in_use",
+            "Large pushed gradients being received or read now, of --gradient-buffers (held ones not counted).",
+            value=ps.bodies.in_use,
+        )
+        yield GaugeMetricFamily(
+            "rudra_gradient_buffers_waiting",
+            "Connections whose push waits for a gradient buffer now.",
+            value=ps.bodies.waiting,
+        )
         yield CounterMetricFamily(
             "rudra_gradients_applied", "Gradients folded into an update.", value=stats["gradients"]
         )

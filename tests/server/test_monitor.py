@@ -53,6 +53,9 @@ def check_agreement(parsed: dict, stats: dict, connected: int) -> None:
     assert value(parsed, "rudra_samples_total") == stats["samples"]
     assert value(parsed, "rudra_update_seconds_total") == pytest.approx(stats["update_seconds"])
     assert value(parsed, "rudra_learners") == connected
+    assert (
+        value(parsed, "rudra_gradient_buffers_in_use") == value(parsed, "rudra_gradient_buffers_waiting") == 0
+    )  # idle
     rejected = {dict(labels)["code"]: v for (name, labels), v in parsed.items() if name == "rudra_rejected_total"}
     assert rejected == {**dict.fromkeys(REFUSAL_CODES, 0), **stats["rejected"]}  # every code, from zero
     histogram = {int(s): c for s, c in stats["staleness_histogram"].items()}
