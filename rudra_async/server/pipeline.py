@@ -8,7 +8,10 @@ core's; when a reply may go is the session's (:meth:`Session._send_weights
 <rudra_async.server.session.Session._send_weights>`).
 
 Every push takes one route through it, in these states (a small gradient skips the
-threads: measured by the core, computed inline, applied at once)::
+threads: measured by the core, computed inline, applied at once). Before it, a large push
+over a stream transport may wait in its socket for one of the server's
+``--gradient-buffers`` (:mod:`rudra_async.bodies`); a gradient the protocol holds is set
+aside from that budget::
 
     state      how it is entered                      who leaves it, to
     ---------  -------------------------------------  -----------------------------------------
@@ -20,7 +23,10 @@ threads: measured by the core, computed inline, applied at once)::
     DECIDED    the protocol made an update: the       WeightStore.apply: inline -> APPLIED;
                clock advanced                         large model -> COMPUTING
     COMPUTING  the update thread writes the new       Progress complete -> computed; the
-               weights piece by piece (Progress)      loop's reap (store.finish) -> APPLIED
+               weights piece by piece (Progress),     loop's reap (store.finish) -> APPLIED
+               telling the transport the gradient
+               is read (Frame.consumed) before the
+               last piece
     APPLIED    the weights are published, the         (end: frames released, on_update)
                gradient's frame released
 
