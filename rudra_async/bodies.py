@@ -1,5 +1,6 @@
-"""A budget of large frame bodies shared by many readers: a server's memory for gradients
-stays the same whatever the number of learners.
+"""Buffers that frame bodies are received into: a :class:`BufferPool` of reused ones (each
+reader has its own), and a budget of large bodies shared by many readers, so that a
+server's memory for gradients stays the same whatever the number of learners.
 
 Each connection's :class:`~rudra_async.wire.FrameReader` would otherwise allocate a model's
 size for every push that arrives, so that λ learners pushing at once cost λ buffers, while
@@ -25,6 +26,38 @@ import numpy as np
 
 #: a waiting reader's callback: it receives the lease it waited for
 Waiter = Callable[["BodyLease"], None]
+
+
+class BufferPool:
+    """Body buffers for reuse: freshly allocated pages fill several times slower than warm
+    ones, so released buffers are kept (at most ``keep``) and handed out again.
+
+    Buffers are ``numpy.empty`` arrays, not zero-filled: the pages of a large one are
+    committed only as bytes arrive, so a body that is announced but never sent costs
+    (almost) no memory. :meth:`clear` gives every kept buffer back at once."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` (reused when one is free)."""
+        for i, buf in enumerate(self._free):
+            if len(buf) >= nbytes:
+                return self._free.pop(i)
+        return np.empty(nbytes, np.uint8)
+
+    def give_back(self, buf: np.ndarray) -> None:
+        if len(self._free) < self.keep:
+            self._free.append(buf)
+
+    @property
+    def kept(self) -> tuple[np.ndarray, ...]:
+        """The free buffers kept for reuse."""
+        return tuple(self._free)
+
+    def clear(self) -> None:
+        self._free.clear()
 
 
 class BodyLease:
@@ -59,7 +92,7 @@ class BodyBudget:
         self.limit = limit
         self.threshold = threshold
         self.in_use = 0
-        self._free: list[np.ndarray] = []
+        self._pool = BufferPool(keep=limit)
         self._waiters: deque[tuple[int, Waiter]] = deque()
         self._lock = threading.Lock()
 
@@ -73,9 +106,7 @@ class BodyBudget:
         with self._lock:
             if self.in_use >= self.limit and not force:
                 return None
-            self.in_use += 1
-            buffer = self._reuse(nbytes)
-        return BodyLease(self, buffer if buffer is not None else np.empty(nbytes, np.uint8))
+            return self._lease(nbytes)
 
     def wait(self, nbytes: int, waiter: Waiter) -> None:
         """Call ``waiter(lease)`` once a buffer of ``nbytes`` is free (waiters are served in
@@ -93,7 +124,7 @@ class BodyBudget:
     def kept(self) -> tuple[np.ndarray, ...]:
         """The free buffers kept for reuse."""
         with self._lock:
-            return tuple(self._free)
+            return self._pool.kept
 
     @property
     def waiting(self) -> int:
@@ -103,14 +134,13 @@ class BodyBudget:
     def clear(self) -> None:
         """Drop the kept free buffers (a server closing)."""
         with self._lock:
-            self._free.clear()
+            self._pool.clear()
 
     # -- the leases' side ---------------------------------------------------------------------
-    def _reuse(self, nbytes: int) -> np.ndarray | None:
-        for i, buf in enumerate(self._free):
-            if len(buf) >= nbytes:
-                return self._free.pop(i)
-        return None
+    def _lease(self, nbytes: int) -> BodyLease:
+        """One more buffer in use (called holding the lock)."""
+        self.in_use += 1
+        return BodyLease(self, self._pool.take(nbytes))
 
     def _uncount(self) -> None:
         with self._lock:
@@ -121,8 +151,7 @@ class BodyBudget:
         with self._lock:
             if counted:
                 self.in_use -= 1
-            if len(self._free) < self.limit:
-                self._free.append(buffer)
+            self._pool.give_back(buffer)
         self._serve()
 
     def _serve(self) -> None:
@@ -132,6 +161,5 @@ class BodyBudget:
                 if not self._waiters or self.in_use >= self.limit:
                     return
                 nbytes, waiter = self._waiters.popleft()
-                self.in_use += 1
-                buffer = self._reuse(nbytes)
-            waiter(BodyLease(self, buffer if buffer is not None else np.empty(nbytes, np.uint8)))
+                lease = self._lease(nbytes)
+            waiter(lease)

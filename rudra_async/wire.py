@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from .bodies import BodyBudget, BodyLease
+from .bodies import BodyBudget, BodyLease, BufferPool
 from .errors import BadMagic, BadVersion, FrameTooLarge, MalformedFrame, WireError, quoted
 from .layout import MAX_TENSOR_DIMS
 
@@ -292,7 +292,7 @@ class Frame:
     written: Callable[[], int] | None = None
     lent: Callable[[], bool] | None = None
     _set_aside: Callable[[], None] | None = None
-    _consumed: Callable[[], None] | None = None
+    _consumed: Callable[[], object] | None = None
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -330,33 +330,6 @@ class Frame:
         taken = replace(self)
         self._release = self._set_aside = self._consumed = None
         return taken
-
-
-class BufferPool:
-    """Body buffers for reuse: freshly allocated pages fill several times slower than warm
-    ones, so released buffers are kept (at most ``keep``) and handed out again.
-
-    Buffers are ``numpy.empty`` arrays, not zero-filled: the pages of a large one are
-    committed only as bytes arrive, so a body that is announced but never sent costs
-    (almost) no memory. :meth:`clear` gives every kept buffer back at once."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self._free: list[np.ndarray] = []
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least ``nbytes`` (reused when one is free)."""
-        for i, buf in enumerate(self._free):
-            if len(buf) >= nbytes:
-                return self._free.pop(i)
-        return np.empty(nbytes, np.uint8)
-
-    def give_back(self, buf: np.ndarray) -> None:
-        if len(self._free) < self.keep:
-            self._free.append(buf)
-
-    def clear(self) -> None:
-        self._free.clear()
 
 
 #: ``allocate(msg_type, meta, nbytes)`` may return a writable buffer of exactly ``nbytes``

@@ -165,10 +165,6 @@ class StreamConnection(Connection, asyncio.BufferedProtocol):
         if self.core.fatal is not None or self.is_closed or not self._reader.waiting:
             lease.give_back()
             return
-        if len(lease.buffer) < self._reader.waiting:  # meant for another body: wait again
-            lease.give_back()
-            self._wait_for_body()
-            return
         self._resume_body(self._reader, lease)
         self._on_consumed()
 

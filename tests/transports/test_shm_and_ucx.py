@@ -119,14 +119,14 @@ def test_a_receiver_never_stores_an_earlier_ticket_over_a_later_one():
         body = np.ones(1 << 18, np.float32)
         seg, first = out.take([body], body.nbytes)
         attached = shm.segments._Attached(seg.shm.name, os.getuid())
-        attached.consume(first)
+        attached.mark_released(first)
         again, second = out.take([body], body.nbytes)
         assert again is seg and second == first + 1
         attached.mark_released(second)
         attached.mark_released(first)  # the first body's release, late
         assert seg.free
         attached.close()
-        attached.consume(second)  # after a close: nothing to store, no error
+        attached.mark_released(second)  # after a close: nothing to store, no error
     finally:
         out.destroy()
 

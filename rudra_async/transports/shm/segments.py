@@ -291,8 +291,10 @@ class _Attached:
         return self.size - CONTROL if has_control else self.size
 
     def mark_released(self, ticket: int) -> bool:
-        """Store ``ticket`` as released in the owner's control block; True if the owner
-        waits for a segment (or the block is gone), so a RELEASE notice must follow."""
+        """Store ``ticket`` as released in the owner's control block (from any thread: the
+        update thread stores it as soon as a gradient is read, the frame's release again);
+        True if the owner waits for a segment (or the block is gone), so a RELEASE notice
+        must follow."""
         with self._lock:
             if self._control is None:
                 if self._closed or self.room == self.size:
@@ -301,11 +303,6 @@ class _Attached:
             control = self._control
             control[0] = max(ticket, int(control[0]))  # never back to an earlier body's ticket
             return bool(control[1])
-
-    def consume(self, ticket: int) -> None:
-        """:meth:`mark_released` from any thread, before the frame's release (which stores
-        the ticket again and sends the notice if the owner waits for one)."""
-        self.mark_released(ticket)
 
     def close(self) -> None:
         with self._lock:
@@ -375,7 +372,7 @@ def resolve_reference(
         give_back = functools.partial(release, name, offset, ticket) if named else None
         return Frame(frame.msg_type, meta, memoryview(b""), [], err, give_back)
     give_back = functools.partial(release, name, offset, ticket)
-    consumed = functools.partial(shm.consume, ticket) if ticket is not None else None
+    consumed = functools.partial(shm.mark_released, ticket) if ticket is not None else None  # from any thread
     return Frame(frame.msg_type, meta, shm.buf[offset : offset + nbytes], parsed, None, give_back, _consumed=consumed)
 
 
