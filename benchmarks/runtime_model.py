@@ -13,12 +13,14 @@ runs, then used to predict speedup against λ.
 2. **Validation**: real ``rudra-async train`` runs (server and λ learner processes, one torch
    thread each, as the model's learners) for every λ in ``--lambdas`` and protocol in
    ``--protocols``, each against the model's prediction for this machine's cores: updates/s
-   and samples/s, and the error of each.
+   and samples/s, and the error of each. Each run is timed between two half-second speed
+   probes (:class:`SpeedProbe`) and its rates scaled to the calibration's speed; the table
+   also shows the unscaled rate and its error.
 3. **Prediction**: speedup over λ = 1 for λ up to ``--predict-to``, one core per learner and
    one for the server (the paper's setting), per protocol.
 
     python benchmarks/runtime_model.py [--model mlp] [--dataset digits] [--batch-size 16]
-        [--epochs 60] [--lambdas 1,2,4] [--protocols async,hardsync] [--transport tcp]
+        [--epochs 150] [--lambdas 1,2,4] [--protocols async,hardsync] [--transport tcp]
         [--predict-to 64] [--no-validate] [--json FILE] [--plot DIR]
 
 With ``--plot DIR``: ``DIR/runtime_validation.png`` (measured and predicted samples/s against
@@ -58,8 +60,8 @@ CPU_PARTS = ("compute_s", "client_s", "server_s", "update_s", "combine_s")
 CALIBRATION_POINTS = {("async", 1), ("async", 2)}
 
 
-def compute_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int) -> float:
-    """Median CPU-bound seconds of one forward, backward and loss on a mini-batch."""
+def compute_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, reps: int) -> float:
+    """Median CPU-bound seconds of one forward, backward and loss on a mini-batch, over ``reps``."""
     rng = np.random.default_rng(0)
 
     def step() -> None:
@@ -69,7 +71,7 @@ def compute_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ba
         loss.backward()
         loss.item()
 
-    return median_time(step, 300)
+    return median_time(step, reps)
 
 
 def exchange_costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, scheme: str) -> dict:
@@ -128,12 +130,30 @@ def fitted(args: argparse.Namespace, costs: Costs, measured: dict, cores: int) -
     return replace(costs, switch_s=low)
 
 
-def calibrate(args: argparse.Namespace) -> Costs:
+class SpeedProbe:
+    """This machine's speed now, against its speed at calibration: a second or so of the
+    calibration's compute loop, timed. A virtual machine's speed drifts from run to run (CPU
+    steal, other tenants): each real run is timed next to a probe before and after it, and
+    its rates are scaled to the calibration's speed by the probes' mean, so that a model
+    calibrated once is compared with runs on the machine it was calibrated on."""
+
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int) -> None:
+        self._time = lambda reps: compute_seconds(model, x, y, batch, reps)
+        self.calibrated = self._time(300)
+        self._reps = max(20, round(0.5 / self.calibrated))  # half a second
+
+    def slowdown(self) -> float:
+        """How many times slower one compute step runs now than at calibration."""
+        return self._time(self._reps) / self.calibrated
+
+
+def calibrate(args: argparse.Namespace) -> tuple[Costs, SpeedProbe]:
     torch.set_num_threads(1)
     dataset = datasets.load(args.dataset)
     x, y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
     model = build_model(args.model, dataset, 0)
-    compute = compute_seconds(model, x, y, args.batch_size)
+    probe = SpeedProbe(model, x, y, args.batch_size)
+    compute = probe.calibrated
     exchange = exchange_costs(model, x, y, args.batch_size, args.transport)
     size = sum(p.numel() for p in model.parameters())
     update, combine = update_seconds(size)
@@ -144,7 +164,7 @@ def calibrate(args: argparse.Namespace) -> Costs:
         f"calibration ({args.model} on {args.dataset}, μ = {args.batch_size}, {size:,} parameters, {args.transport}):"
     )
     show(costs)
-    return costs
+    return costs, probe
 
 
 def show(costs: Costs) -> None:
@@ -152,15 +172,21 @@ def show(costs: Costs) -> None:
         print(f"  {name:10s} {1e3 * value:8.3f} ms")
 
 
-def measure_all(args: argparse.Namespace) -> dict:
+def measure_all(args: argparse.Namespace, probe: SpeedProbe) -> dict:
     """The median of ``--reps`` real runs at every point of the validation (the two
-    calibration points among them), in alternating rounds."""
+    calibration points among them), in alternating rounds; each run's rates scaled to the
+    calibration's speed (:class:`SpeedProbe`), its unscaled rates kept as ``raw_*``."""
     points = [(p, lam) for p in args.protocols.split(",") for lam in (int(v) for v in args.lambdas.split(","))]
     points += [point for point in sorted(CALIBRATION_POINTS) if point not in points]
     runs: dict = {point: [] for point in points}
     for _ in range(args.reps):
         for protocol, lam in points:
-            runs[(protocol, lam)].append(measure(args, lam, protocol))
+            before = probe.slowdown()
+            run = measure(args, lam, protocol)
+            slowdown = (before + probe.slowdown()) / 2
+            for key in ("updates_per_s", "samples_per_s"):
+                run[f"raw_{key}"], run[key] = run[key], run[key] * slowdown
+            runs[(protocol, lam)].append({**run, "slowdown": slowdown})
     return {point: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for point, rs in runs.items()}
 
 
@@ -190,17 +216,20 @@ def validate(args: argparse.Namespace, costs: Costs, measured: dict) -> list[dic
     cores = usable_cores()
     rows = []
     print(f"\nvalidation on this machine ({cores} cores): measured (median of {args.reps}) vs predicted")
-    print("| protocol | λ | updates/s measured | predicted | error | samples/s measured | predicted | error |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| protocol | λ | updates/s measured | predicted | error | samples/s measured | predicted | error "
+          "| slowdown | samples/s unscaled | error |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (protocol, lam), got in measured.items():
         pred = simulate(costs, lam, protocol, cores=cores, batch_size=args.batch_size)
         err_u = pred.updates_per_s / got["updates_per_s"] - 1
         err_s = pred.samples_per_s / got["samples_per_s"] - 1
+        err_raw = pred.samples_per_s / got["raw_samples_per_s"] - 1
         rows.append({"protocol": protocol, "learners": lam, **got, "predicted_updates_per_s": pred.updates_per_s,
                      "predicted_samples_per_s": pred.samples_per_s})  # fmt: skip
         used = " (calibration)" if (protocol, lam) in CALIBRATION_POINTS else ""
         print(f"| {protocol} | {lam}{used} | {got['updates_per_s']:,.0f} | {pred.updates_per_s:,.0f} | {err_u:+.0%} "
-              f"| {got['samples_per_s']:,.0f} | {pred.samples_per_s:,.0f} | {err_s:+.0%} |")  # fmt: skip
+              f"| {got['samples_per_s']:,.0f} | {pred.samples_per_s:,.0f} | {err_s:+.0%} "
+              f"| {got['slowdown']:.2f} | {got['raw_samples_per_s']:,.0f} | {err_raw:+.0%} |")  # fmt: skip
     return rows
 
 
@@ -280,7 +309,7 @@ def main() -> None:
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--dataset", default="digits")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--epochs", type=float, default=60)
+    ap.add_argument("--epochs", type=float, default=150)
     ap.add_argument("--lambdas", default="1,2,4")
     ap.add_argument("--protocols", default="async,hardsync")
     ap.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
@@ -290,10 +319,10 @@ def main() -> None:
     ap.add_argument("--json", help="write the costs, the validation and the predictions here")
     ap.add_argument("--plot", metavar="DIR", help="draw the validation and the predicted speedup there")
     args = ap.parse_args()
-    costs = calibrate(args)
+    costs, probe = calibrate(args)
     rows = []
     if not args.no_validate:
-        measured = measure_all(args)
+        measured = measure_all(args, probe)
         costs = fitted(args, costs, measured, usable_cores())
         show(costs)
         rows = validate(args, costs, measured)
