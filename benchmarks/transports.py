@@ -16,8 +16,10 @@ shared memory and the second by another process from that segment into its own, 
 copy timed by the process that makes it (no notification in the figure); and beside its
 small round trip, what a notification costs at the least between two processes on two
 CPUs: a Unix-socket ping-pong of the same bytes (the socket the transport notifies
-through), each side blocked in ``recv`` or spinning, and a counter in shared memory that
-both spin on (the floor of an eventfd- or futex-like path).
+through), each side blocked in ``recv`` or spinning; an eventfd ping-pong, both sides
+blocked, and a counter in shared memory whose waiters sleep in ``futex(2)`` (the two
+doorbells without a socket an shm transport could use); and a counter in shared memory that both spin on
+(the floor of any notification path).
 
     python benchmarks/transports.py [--reps 10] [--only tcp,shm,ucx]
 
@@ -30,8 +32,11 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import ctypes
+import ctypes.util
 import multiprocessing as mp
 import os
+import platform
 import signal
 import socket
 import statistics
@@ -249,6 +254,122 @@ def socket_ping_pong(reps: int, spin: bool) -> list[float]:
     return times[1:]
 
 
+#: an eventfd value that tells :func:`_echo_eventfd` to stop (a ping adds 1)
+EVENTFD_STOP = 1 << 40
+
+
+def _echo_eventfd(sock: socket.socket, cpu: int | None) -> None:
+    """The peer of :func:`eventfd_ping_pong`: takes two eventfds over ``sock``, then answers
+    each ping on the first with a pong on the second (both blocked in ``read``)."""
+    _pin(cpu)
+    _, (ping, pong), _, _ = socket.recv_fds(sock, 1, 2)
+    while os.eventfd_read(ping) < EVENTFD_STOP:
+        os.eventfd_write(pong, 1)
+    os.close(ping)
+    os.close(pong)
+
+
+def eventfd_ping_pong(reps: int) -> list[float]:
+    """Seconds per round trip of an eventfd ping and pong between two processes on two CPUs,
+    each blocked in ``read`` between: what a kernel wake-up without a socket (the eventfd
+    doorbell an shm transport could use) costs at the least."""
+    here, there = socket.socketpair()
+    ping, pong = os.eventfd(0), os.eventfd(0)
+    times = []
+    try:
+        with _on_two_cpus(_echo_eventfd, there):
+            there.close()
+            socket.send_fds(here, [b"x"], [ping, pong])
+            try:
+                for _ in range(reps + 1):
+                    t = time.perf_counter()
+                    os.eventfd_write(ping, 1)
+                    os.eventfd_read(pong)
+                    times.append(time.perf_counter() - t)
+            finally:
+                os.eventfd_write(ping, EVENTFD_STOP)  # the echo stops
+    finally:
+        here.close()
+        os.close(ping)
+        os.close(pong)
+    return times[1:]
+
+
+#: futex(2)'s system call number, where this benchmark knows it
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+FUTEX_WAIT, FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Futex:
+    """``futex(2)`` on the 32-bit words of a shared-memory block (shared, not private)."""
+
+    def __init__(self, buf) -> None:
+        self.words = np.ndarray((2,), np.int32, buf)
+        self._base = self.words.ctypes.data
+        self._syscall = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).syscall
+        self._syscall.restype = ctypes.c_long
+
+    def wait(self, i: int, expected: int) -> None:
+        """Sleep while word ``i`` holds ``expected``, until a wake-up or for 1 s at most."""
+        timeout = _Timespec(1, 0)
+        where = ctypes.c_void_p(self._base + 4 * i)
+        self._syscall(SYS_FUTEX, where, FUTEX_WAIT, expected, ctypes.byref(timeout), None, 0)
+
+    def wake(self, i: int) -> None:
+        self._syscall(SYS_FUTEX, ctypes.c_void_p(self._base + 4 * i), FUTEX_WAKE, 1, None, None, 0)
+
+
+def _echo_futex(name: str, cpu: int | None) -> None:
+    """The peer of :func:`futex_ping_pong`: copy word 0 into word 1 each time it changes,
+    sleeping in ``futex`` between; stop at -1, or after 10 s without a change."""
+    _pin(cpu)
+    shm = _Attached(name, os.getuid())
+    futex = _Futex(shm.buf)
+    seen, since = 0, time.monotonic()
+    while seen >= 0 and time.monotonic() - since < 10:
+        now = int(futex.words[0])
+        if now == seen:
+            futex.wait(0, seen)
+            continue
+        since = time.monotonic()
+        seen = futex.words[1] = now
+        futex.wake(1)
+    del futex
+    shm.close()
+
+
+def futex_ping_pong(reps: int) -> list[float]:
+    """Seconds per round trip of a counter in shared memory between two processes on two
+    CPUs that sleep in ``futex(2)`` until it changes: the futex-like doorbell an shm
+    transport could use, at its least."""
+    segment = shared_memory.SharedMemory(create=True, size=8)
+    futex = _Futex(segment.buf)
+    futex.words[:] = 0
+    times = []
+    try:
+        with _on_two_cpus(_echo_futex, segment.name):
+            try:
+                for i in range(1, reps + 2):
+                    t, deadline = time.perf_counter(), time.monotonic() + 10
+                    futex.words[0] = i
+                    futex.wake(0)
+                    while (answer := int(futex.words[1])) != i and time.monotonic() < deadline:
+                        futex.wait(1, answer)
+                    times.append(time.perf_counter() - t)
+            finally:
+                futex.words[0] = -1  # the echo stops
+                futex.wake(0)
+    finally:
+        del futex
+        segment.close()
+        segment.unlink()
+    return times[1:]
+
+
 def _echo_counter(name: str, cpu: int | None) -> None:
     """The peer of :func:`counter_ping_pong`: copy word 0 into word 1 each time it changes;
     stop at -1, or after 10 s without a change."""
@@ -358,9 +479,12 @@ def main() -> None:
         if scheme == "shm":  # how much of that a notification path could save
             asleep, spinning = (statistics.median(socket_ping_pong(args.small_reps, spin)) for spin in (False, True))
             counter = statistics.median(counter_ping_pong(args.small_reps))
+            doorbell = statistics.median(eventfd_ping_pong(args.small_reps))
+            futex = f"{statistics.median(futex_ping_pong(args.small_reps)) * 1e6:.1f} us" if SYS_FUTEX else "not here"
             print(
                 f"  {'':3}  where it goes: a Unix-socket ping-pong of the same bytes between two CPUs {asleep * 1e6:.1f} us "
-                f"(both spinning: {spinning * 1e6:.1f} us); a shared-memory counter ping-pong (both spinning) "
+                f"(both spinning: {spinning * 1e6:.1f} us); both blocked, an eventfd ping-pong {doorbell * 1e6:.1f} us "
+                f"and a futex one on a shared counter {futex}; a shared-memory counter ping-pong (both spinning) "
                 f"{counter * 1e6:.1f} us"
             )
 
