@@ -305,7 +305,7 @@ class _Timespec(ctypes.Structure):
 
 
 class _Futex:
-    """``futex(2)`` on the 32-bit words of a shared-memory block (shared, not private)."""
+    """Two 32-bit words of a shared-memory block, and ``futex(2)`` on them (shared, not private)."""
 
     def __init__(self, buf) -> None:
         self.words = np.ndarray((2,), np.int32, buf)
@@ -323,9 +323,10 @@ class _Futex:
         self._syscall(SYS_FUTEX, ctypes.c_void_p(self._base + 4 * i), FUTEX_WAKE, 1, None, None, 0)
 
 
-def _echo_futex(name: str, cpu: int | None) -> None:
-    """The peer of :func:`futex_ping_pong`: copy word 0 into word 1 each time it changes,
-    sleeping in ``futex`` between; stop at -1, or after 10 s without a change."""
+def _echo_words(name: str, sleep: bool, cpu: int | None) -> None:
+    """The peer of :func:`word_ping_pong`: copy word 0 into word 1 each time it changes,
+    spinning or (``sleep``) asleep in ``futex(2)`` between; stop at -1, or after 10 s
+    without a change."""
     _pin(cpu)
     shm = _Attached(name, os.getuid())
     futex = _Futex(shm.buf)
@@ -333,79 +334,43 @@ def _echo_futex(name: str, cpu: int | None) -> None:
     while seen >= 0 and time.monotonic() - since < 10:
         now = int(futex.words[0])
         if now == seen:
-            futex.wait(0, seen)
+            if sleep:
+                futex.wait(0, seen)
             continue
-        since = time.monotonic()
-        seen = futex.words[1] = now
-        futex.wake(1)
+        seen, since = now, time.monotonic()
+        futex.words[1] = now
+        if sleep:
+            futex.wake(1)
     del futex
     shm.close()
 
 
-def futex_ping_pong(reps: int) -> list[float]:
+def word_ping_pong(reps: int, sleep: bool) -> list[float]:
     """Seconds per round trip of a counter in shared memory between two processes on two
-    CPUs that sleep in ``futex(2)`` until it changes: the futex-like doorbell an shm
-    transport could use, at its least."""
+    CPUs, both spinning on it (no system call: the floor of any notification path) or
+    (``sleep``) asleep in ``futex(2)`` until it changes (the futex-like doorbell an shm
+    transport could use, at its least)."""
     segment = shared_memory.SharedMemory(create=True, size=8)
     futex = _Futex(segment.buf)
     futex.words[:] = 0
     times = []
     try:
-        with _on_two_cpus(_echo_futex, segment.name):
+        with _on_two_cpus(_echo_words, segment.name, sleep):
             try:
                 for i in range(1, reps + 2):
                     t, deadline = time.perf_counter(), time.monotonic() + 10
                     futex.words[0] = i
-                    futex.wake(0)
+                    if sleep:
+                        futex.wake(0)
                     while (answer := int(futex.words[1])) != i and time.monotonic() < deadline:
-                        futex.wait(1, answer)
+                        if sleep:
+                            futex.wait(1, answer)
                     times.append(time.perf_counter() - t)
             finally:
                 futex.words[0] = -1  # the echo stops
                 futex.wake(0)
     finally:
         del futex
-        segment.close()
-        segment.unlink()
-    return times[1:]
-
-
-def _echo_counter(name: str, cpu: int | None) -> None:
-    """The peer of :func:`counter_ping_pong`: copy word 0 into word 1 each time it changes;
-    stop at -1, or after 10 s without a change."""
-    _pin(cpu)
-    shm = _Attached(name, os.getuid())
-    words = np.frombuffer(shm.buf, np.int64, 2)
-    seen, since = 0, time.monotonic()
-    while seen >= 0 and time.monotonic() - since < 10:
-        now = int(words[0])
-        if now != seen:
-            seen, since = now, time.monotonic()
-            words[1] = now
-    del words
-    shm.close()
-
-
-def counter_ping_pong(reps: int) -> list[float]:
-    """Seconds per round trip of a counter in shared memory between two processes on two
-    CPUs that both spin (no system call): the floor of any notification path."""
-    segment = shared_memory.SharedMemory(create=True, size=16)
-    words = np.ndarray((2,), np.int64, segment.buf)
-    words[:] = 0
-    times = []
-    try:
-        with _on_two_cpus(_echo_counter, segment.name):
-            try:
-                for i in range(1, reps + 2):
-                    t, deadline = time.perf_counter(), time.monotonic() + 10
-                    words[0] = i
-                    while words[1] != i and time.monotonic() < deadline:
-                        pass
-                    times.append(time.perf_counter() - t)
-            finally:
-                words[0] = -1  # the echo stops
-    finally:
-        del words
         segment.close()
         segment.unlink()
     return times[1:]
@@ -478,9 +443,13 @@ def main() -> None:
         print(f"  {scheme:3}: {baseline_name[scheme]:17} {base * 1e6:8.1f} us   {scheme} {ours * 1e6:8.1f} us")
         if scheme == "shm":  # how much of that a notification path could save
             asleep, spinning = (statistics.median(socket_ping_pong(args.small_reps, spin)) for spin in (False, True))
-            counter = statistics.median(counter_ping_pong(args.small_reps))
+            counter = statistics.median(word_ping_pong(args.small_reps, sleep=False))
             doorbell = statistics.median(eventfd_ping_pong(args.small_reps))
-            futex = f"{statistics.median(futex_ping_pong(args.small_reps)) * 1e6:.1f} us" if SYS_FUTEX else "not here"
+            futex = (
+                f"{statistics.median(word_ping_pong(args.small_reps, sleep=True)) * 1e6:.1f} us"
+                if SYS_FUTEX
+                else "not here"
+            )
             print(
                 f"  {'':3}  where it goes: a Unix-socket ping-pong of the same bytes between two CPUs {asleep * 1e6:.1f} us "
                 f"(both spinning: {spinning * 1e6:.1f} us); both blocked, an eventfd ping-pong {doorbell * 1e6:.1f} us "
