@@ -5,7 +5,9 @@ runs, then used to predict speedup against λ.
    mini-batch ``--batch-size``, measured on this machine: a learner's compute (forward,
    backward, loss; one torch thread), a ``DistributedOptimizer.step`` against a real server
    process over ``--transport`` (the learner's CPU for it, the server process's CPU per push,
-   the wall time left over as latency), and the update kernel with 1 and 4 gradients. Then
+   the wall time left over as latency), the update kernel with 1 and 4 gradients, and what a
+   hardsync round's held push costs the server more (two client processes, hardsync against
+   async). Then
    two short real runs (as in 2.): one learner, whose step time scales the CPU costs (the
    parts measured alone miss the learner loop's own work), and 2 asynchronous learners,
    whose samples/s gives the switch cost (``Costs.switch_s``) by bisection. These two points
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -51,11 +54,12 @@ from rudra_async.learner.evaluation import build_model
 from rudra_async.runs.runtime_model import Costs, gradients_per_update, simulate
 from rudra_async.server.store import usable_cores
 from rudra_async.torch import DistributedOptimizer
+from rudra_async.transports import polling
 
 STEPS = 400  # measured steps of the calibration (after 50 unmeasured)
 #: train's progress line: the updates of the last second and the learners connected
 PROGRESS = re.compile(r"updates +\d+ \( *(\d+)/s\).*learners (\d+)")
-CPU_PARTS = ("compute_s", "client_s", "server_s", "update_s", "combine_s")
+CPU_PARTS = ("compute_s", "client_s", "server_s", "update_s", "combine_s", "hold_s")
 #: the validation points the calibration used
 CALIBRATION_POINTS = {("async", 1), ("async", 2)}
 
@@ -76,9 +80,18 @@ def compute_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ba
 
 def exchange_costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, scheme: str) -> dict:
     """A learner's CPU per step(), the server's CPU per push and the wall time per step(),
-    against a server process (1 update thread), measured over :data:`STEPS` steps."""
+    against a server process (1 update thread), measured over :data:`STEPS` steps. Busy
+    polling is off on both sides: a window spent polling is CPU a process holds while it
+    waits, not work (real runs poll; what that saves in wake-ups is in the fitted switch cost)."""
     listen = "shm://" if scheme == "shm" else "tcp://127.0.0.1:0"
-    server = subprocess.Popen([sys.executable, "-c", SERVER, listen, "1"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, listen, "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, polling.ENV: "0"},
+    )
+    window = polling.window()
+    polling.set_window(0)
     try:
         address = server.stdout.readline().strip() if server.stdout else ""
         opt = DistributedOptimizer(model, address, threads=None)
@@ -99,8 +112,55 @@ def exchange_costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bat
         opt.close()
         return {"client_s": cpu / STEPS, "server_cpu_s": server_cpu / STEPS, "step_wall_s": wall / STEPS}
     finally:
+        polling.set_window(window)
         server.terminate()
         server.wait(30)
+
+
+#: a client process for :func:`hold_seconds`: ``argv[3]`` push+pulls of ``argv[2]`` float32 to ``argv[1]``
+CLIENT = """
+import sys
+import numpy as np
+from rudra_async.client import SyncClient
+from rudra_async.layout import Layout
+
+size, steps = int(sys.argv[2]), int(sys.argv[3])
+client = SyncClient(sys.argv[1], Layout.from_shapes([("w", (size,))]), np.zeros(size, np.float32), wait=10)
+grad = np.full(size, 1e-4, np.float32)
+w = client.pull()
+for _ in range(steps):
+    w = client.push_pull(grad, w.timestamp)
+client.close()
+"""
+HOLD_STEPS = 1500  # push+pulls of each of the two clients of hold_seconds
+
+
+def hold_seconds(size: int, scheme: str) -> float:
+    """``Costs.hold_s``: what a server spends more per push under hardsync than under async,
+    with two client processes pushing ``size`` floats without compute (busy polling off), per
+    held push (one of each round's two)."""
+    listen = "shm://" if scheme == "shm" else "tcp://127.0.0.1:0"
+    env = {**os.environ, polling.ENV: "0"}
+    per_push = {}
+    for protocol in ("async", "hardsync"):
+        server = subprocess.Popen(
+            [sys.executable, "-c", SERVER, listen, "1", protocol], stdout=subprocess.PIPE, text=True, env=env
+        )
+        try:
+            address = server.stdout.readline().strip() if server.stdout else ""
+            cpu0 = cpu_seconds(server.pid)
+            clients = [
+                subprocess.Popen([sys.executable, "-c", CLIENT, address, str(size), str(HOLD_STEPS)], env=env)
+                for _ in range(2)
+            ]
+            for client in clients:
+                if client.wait(300):
+                    raise SystemExit(f"a {protocol} client of the hold measurement failed")
+            per_push[protocol] = (cpu_seconds(server.pid) - cpu0) / (2 * HOLD_STEPS)
+        finally:
+            server.terminate()
+            server.wait(30)
+    return max(0.0, 2 * (per_push["hardsync"] - per_push["async"]))
 
 
 def update_seconds(size: int) -> tuple[float, float]:
@@ -159,7 +219,9 @@ def calibrate(args: argparse.Namespace) -> tuple[Costs, SpeedProbe]:
     update, combine = update_seconds(size)
     server = max(0.0, exchange["server_cpu_s"] - update)
     latency = max(0.0, (exchange["step_wall_s"] - exchange["client_s"] - exchange["server_cpu_s"]) / 2)
-    costs = Costs(compute, exchange["client_s"], server, update, combine, latency)
+    costs = Costs(
+        compute, exchange["client_s"], server, update, combine, latency, hold_s=hold_seconds(size, args.transport)
+    )
     print(
         f"calibration ({args.model} on {args.dataset}, μ = {args.batch_size}, {size:,} parameters, {args.transport}):"
     )

@@ -75,7 +75,8 @@ from rudra_async.config import ServerConfig
 from rudra_async.server import ParameterServer
 
 async def main():
-    config = ServerConfig(listen=[sys.argv[1]], protocol="async", kernel="torch", lr=1e-4, momentum=0.9,
+    protocol = sys.argv[3] if len(sys.argv) > 3 else "async"
+    config = ServerConfig(listen=[sys.argv[1]], protocol=protocol, kernel="torch", lr=1e-4, momentum=0.9,
                           update_threads=int(sys.argv[2]))
     async with ParameterServer(config) as ps:
         print(ps.addresses[0], flush=True)

@@ -5,12 +5,14 @@ at a moment (a learner computing or exchanging, the server handling a push) gets
 min(1, cores/running) of a core. The server's handling of a push, and a learner's taking of
 its reply, cost ``switch_s`` more when they start while another process runs: the process
 cannot take over the core its sender just left (on a VM, an interrupt to another virtual
-CPU; a cold cache). (The server is charged for every push it handles so, also for pushes
-that waited in its queue: a simplification the calibration's fit absorbs.) A learner's step is its compute (``compute_s`` of CPU for
-one mini-batch), then its side of the exchange (``client_s`` of CPU, half before its push
+CPU; a cold cache). A push that waited in the server's queue is read right after the one
+before it, without a wake-up, so it pays no switch. A learner's step is its compute
+(``compute_s`` of CPU for one mini-batch), then its side of the exchange (``client_s`` of CPU, half before its push
 leaves, half after the reply arrives), each message ``latency_s`` on the wire. The server is
 one thread: pushes queue and are handled in arrival order, each costing ``server_s`` of CPU,
-and the push that completes an update also its update, ``update_s + (c − 1)·combine_s``.
+and the push that completes an update also its update, ``update_s + (c − 1)·combine_s``;
+hardsync's other pushes of a round cost ``hold_s`` more (the request is held, then
+resumed and answered after the update).
 The protocol decides when an update is made and when a push is answered: ``async``
 (c = 1, answered after its update), ``softsync`` (c = max(1, ⌊λ/n⌋), answered at once),
 ``hardsync`` (c = λ, every push of a round answered after the round's update). With
@@ -44,6 +46,7 @@ class Costs:
     combine_s: float = 0.0  # each further gradient of an update
     latency_s: float = 0.0  # one message on the wire
     switch_s: float = 0.0  # waking a process while another runs
+    hold_s: float = 0.0  # hardsync: the server's extra CPU for each push it holds until the round's update
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -159,13 +162,17 @@ def simulate(
         stamp[learner] = clock
         after(costs.latency_s, ("arrive", learner))
 
-    def serve_next() -> None:
+    def serve_next(woken: bool = True) -> None:
+        """Handle the next queued push, if the server is free (``woken``: it was idle)."""
         nonlocal serving
         if serving is None and queue:
             serving = queue.popleft()
             completes = len(held) + 1 == c
-            work = costs.server_s + (costs.update_s + (c - 1) * costs.combine_s if completes else 0.0)
-            start("server", work, woken=True)
+            if completes:
+                work = costs.server_s + costs.update_s + (c - 1) * costs.combine_s
+            else:
+                work = costs.server_s + (costs.hold_s if protocol == "hardsync" else 0.0)
+            start("server", work, woken=woken)
 
     for i in range(learners):
         compute(i)
@@ -199,7 +206,7 @@ def simulate(
                     held = []
                 elif protocol == "softsync":
                     reply(learner)
-                serve_next()
+                serve_next(woken=False)  # a push that waited in the queue: read without a wake-up
             elif isinstance(owner, int):  # a compute ended
                 if exchanging[owner]:
                     ready[owner] = True

@@ -2,6 +2,8 @@
 hand: one learner (everything in series), learners bound by the cores, by the server, and
 hardsync's rounds."""
 
+from dataclasses import replace
+
 import pytest
 
 from rudra_async.errors import ConfigError
@@ -74,6 +76,27 @@ def test_a_message_that_wakes_a_process_while_another_runs_pays_the_switch():
     # the server or its learner, so each step pays twice
     two = simulate(switching, 2, cores=100, batch_size=1)
     assert two.samples_per_s == pytest.approx(2 / (0.010 + 0.001 + 2 * 0.002), rel=0.02)
+
+
+def test_a_push_that_waited_in_the_queue_pays_no_switch():
+    # 8 learners whose compute is short against the server's 1 ms: pushes always wait, and
+    # the server reads one after another without a wake-up, 1,000 a second; each learner's
+    # own wake-up (2 ms) is hidden behind the 7 pushes ahead of its next one
+    costs = Costs(compute_s=0.0001, client_s=0.0, server_s=0.001, update_s=0.0, switch_s=0.002)
+    got = simulate(costs, 8, cores=100, batch_size=1)
+    assert got.updates_per_s == pytest.approx(1000, rel=0.01)
+
+
+def test_a_hardsync_round_pays_the_hold_of_each_push_but_its_last():
+    # 2 learners with a core each push at once after 10 ms; the server handles the first
+    # (1 ms, held: 2 ms more), then the second, which completes the round (1 ms): 14 ms a round
+    costs = Costs(compute_s=0.010, client_s=0.0, server_s=0.001, update_s=0.0, hold_s=0.002)
+    got = simulate(costs, 2, "hardsync", cores=100, batch_size=1)
+    assert 1 / got.updates_per_s == pytest.approx(0.014, rel=1e-6)
+    unheld = simulate(costs, 2, "async", cores=100, batch_size=1)  # async holds nothing
+    assert unheld.updates_per_s == pytest.approx(
+        simulate(replace(costs, hold_s=0.0), 2, cores=100, batch_size=1).updates_per_s
+    )
 
 
 @pytest.mark.parametrize("latency, period", [(0.004, 0.010), (0.008, 0.017)])
