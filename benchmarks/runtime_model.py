@@ -33,6 +33,7 @@ paper's reported 22–28× at 30 learners).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -40,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,14 +80,15 @@ def compute_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ba
     return median_time(step, reps)
 
 
-def exchange_costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, scheme: str) -> dict:
-    """A learner's CPU per step(), the server's CPU per push and the wall time per step(),
-    against a server process (1 update thread), measured over :data:`STEPS` steps. Busy
-    polling is off on both sides: a window spent polling is CPU a process holds while it
-    waits, not work (real runs poll; what that saves in wake-ups is in the fitted switch cost)."""
+@contextlib.contextmanager
+def polling_off_server(scheme: str, protocol: str = "async") -> Iterator[tuple[subprocess.Popen, str]]:
+    """A server process (1 update thread, ``protocol``) over ``scheme`` with busy polling
+    off, and its address; terminated at the end. Busy polling is also off in this process
+    meanwhile: a window spent polling is CPU a process holds while it waits, not work (real
+    runs poll; what that saves in wake-ups is in the fitted switch cost)."""
     listen = "shm://" if scheme == "shm" else "tcp://127.0.0.1:0"
     server = subprocess.Popen(
-        [sys.executable, "-c", SERVER, listen, "1"],
+        [sys.executable, "-c", SERVER, listen, "1", protocol],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, polling.ENV: "0"},
@@ -93,7 +96,17 @@ def exchange_costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bat
     window = polling.window()
     polling.set_window(0)
     try:
-        address = server.stdout.readline().strip() if server.stdout else ""
+        yield server, server.stdout.readline().strip() if server.stdout else ""
+    finally:
+        polling.set_window(window)
+        server.terminate()
+        server.wait(30)
+
+
+def exchange_costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, scheme: str) -> dict:
+    """A learner's CPU per step(), the server's CPU per push and the wall time per step(),
+    against a :func:`polling_off_server`, measured over :data:`STEPS` steps."""
+    with polling_off_server(scheme) as (server, address):
         opt = DistributedOptimizer(model, address, threads=None)
         idx = torch.arange(batch)
         cpu = wall = 0.0
@@ -111,10 +124,6 @@ def exchange_costs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bat
         server_cpu = cpu_seconds(server.pid) - server_cpu0
         opt.close()
         return {"client_s": cpu / STEPS, "server_cpu_s": server_cpu / STEPS, "step_wall_s": wall / STEPS}
-    finally:
-        polling.set_window(window)
-        server.terminate()
-        server.wait(30)
 
 
 #: a client process for :func:`hold_seconds`: ``argv[3]`` push+pulls of ``argv[2]`` float32 to ``argv[1]``
@@ -139,15 +148,10 @@ def hold_seconds(size: int, scheme: str) -> float:
     """``Costs.hold_s``: what a server spends more per push under hardsync than under async,
     with two client processes pushing ``size`` floats without compute (busy polling off), per
     held push (one of each round's two)."""
-    listen = "shm://" if scheme == "shm" else "tcp://127.0.0.1:0"
     env = {**os.environ, polling.ENV: "0"}
     per_push = {}
     for protocol in ("async", "hardsync"):
-        server = subprocess.Popen(
-            [sys.executable, "-c", SERVER, listen, "1", protocol], stdout=subprocess.PIPE, text=True, env=env
-        )
-        try:
-            address = server.stdout.readline().strip() if server.stdout else ""
+        with polling_off_server(scheme, protocol) as (server, address):
             cpu0 = cpu_seconds(server.pid)
             clients = [
                 subprocess.Popen([sys.executable, "-c", CLIENT, address, str(size), str(HOLD_STEPS)], env=env)
@@ -157,9 +161,6 @@ def hold_seconds(size: int, scheme: str) -> float:
                 if client.wait(300):
                     raise SystemExit(f"a {protocol} client of the hold measurement failed")
             per_push[protocol] = (cpu_seconds(server.pid) - cpu0) / (2 * HOLD_STEPS)
-        finally:
-            server.terminate()
-            server.wait(30)
     return max(0.0, 2 * (per_push["hardsync"] - per_push["async"]))
 
 
