@@ -12,7 +12,11 @@ leaves, half after the reply arrives), each message ``latency_s`` on the wire. T
 one thread: pushes queue and are handled in arrival order, each costing ``server_s`` of CPU,
 and the push that completes an update also its update, ``update_s + (c − 1)·combine_s``;
 hardsync's other pushes of a round cost ``hold_s`` more (the request is held, then
-resumed and answered after the update).
+resumed and answered after the update). A woken process also refills the caches that the
+others' work evicted while it was away: ``cold_s·(1 − exp(−w/cold_tau_s))`` more CPU, w being
+the CPU seconds the other processes ran per core since its last job ended, when there are
+more processes than cores (this is what makes many learners per core slower than processor
+sharing alone would; with a core each, nothing evicts a process's caches).
 The protocol decides when an update is made and when a push is answered: ``async``
 (c = 1, answered after its update), ``softsync`` (c = max(1, ⌊λ/n⌋), answered at once),
 ``hardsync`` (c = λ, every push of a round answered after the round's update). With
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +52,20 @@ class Costs:
     latency_s: float = 0.0  # one message on the wire
     switch_s: float = 0.0  # waking a process while another runs
     hold_s: float = 0.0  # hardsync: the server's extra CPU for each push it holds until the round's update
+    cold_s: float = 0.0  # the most a woken process spends more refilling its caches
+    cold_tau_s: float = 0.0  # the others' CPU seconds per core that evict 1 − 1/e of them
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if not value >= 0:
                 raise ConfigError(f"runtime model: {name} must be >= 0, got {value}")
+        if self.cold_s and not self.cold_tau_s:
+            raise ConfigError("runtime model: cold_s needs cold_tau_s > 0")
+
+    def refill_s(self, others_per_core: float) -> float:
+        """A woken process's cache refill after the others ran ``others_per_core`` CPU
+        seconds per core since its last job: ``cold_s·(1 − exp(−others_per_core/cold_tau_s))``."""
+        return self.cold_s * -math.expm1(-others_per_core / self.cold_tau_s) if self.cold_s else 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class _Cpu:
     def __init__(self, cores: float) -> None:
         self.cores = cores
         self.left: dict[Any, float] = {}
+        self.work = 0.0  # CPU seconds run so far, all jobs together
 
     def rate(self) -> float:
         return min(1.0, self.cores / len(self.left)) if self.left else 1.0
@@ -90,6 +105,7 @@ class _Cpu:
     def advance(self, dt: float) -> list[Any]:
         """Run every job for ``dt`` seconds; the owners whose jobs ended."""
         work = dt * self.rate()
+        self.work += work * len(self.left)
         done = []
         for owner in list(self.left):
             self.left[owner] -= work
@@ -134,10 +150,18 @@ def simulate(
     sigmas: list[int] = []
     marks: list[tuple[float, int, int]] = []  # (time, clock, gradients) after each update
     gradients = 0
+    last_ran: dict[Any, float] = {}  # a process → cpu.work when its last job ended
+
+    def process(owner: Any) -> Any:
+        """The process a job runs in: the server, or learner i (its compute and its exchange)."""
+        return owner[1] if isinstance(owner, tuple) else owner
 
     def start(owner: Any, seconds: float, woken: bool = False) -> None:
         if woken and cpu.left:
             seconds += costs.switch_s
+            ran = last_ran.get(process(owner))
+            if ran is not None and learners + 1 > cores:  # else each process keeps a core of its own
+                seconds += costs.refill_s((cpu.work - ran) / cores)
         if seconds > 0:
             cpu.left[owner] = seconds
         else:
@@ -192,6 +216,7 @@ def simulate(
             else:  # "arrive": the reply reached the learner
                 start(("exchange", who), costs.client_s / 2, woken=True)
         for owner in ended:
+            last_ran[process(owner)] = cpu.work
             if owner == "server":
                 learner, serving = serving, None
                 assert learner is not None

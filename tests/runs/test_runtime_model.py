@@ -2,6 +2,7 @@
 hand: one learner (everything in series), learners bound by the cores, by the server, and
 hardsync's rounds."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -97,6 +98,28 @@ def test_a_hardsync_round_pays_the_hold_of_each_push_but_its_last():
     assert unheld.updates_per_s == pytest.approx(
         simulate(replace(costs, hold_s=0.0), 2, cores=100, batch_size=1).updates_per_s
     )
+
+
+def test_a_woken_process_refills_its_caches_by_the_others_work_since_it_ran():
+    costs = Costs(compute_s=0.0, client_s=0.0, server_s=0.0, update_s=0.0, cold_s=0.002, cold_tau_s=0.001)
+    assert costs.refill_s(0.0) == 0.0
+    assert costs.refill_s(0.001) == pytest.approx(0.002 * (1 - math.exp(-1)), rel=1e-12)
+    assert costs.refill_s(1.0) == pytest.approx(0.002, rel=1e-12)  # all of it, once the others ran long
+    with pytest.raises(ConfigError, match="cold_tau_s"):
+        Costs(compute_s=0.0, client_s=0.0, server_s=0.0, update_s=0.0, cold_s=0.001)
+
+
+def test_a_cache_refill_is_paid_at_each_wake_up_only_while_processes_outnumber_cores():
+    mlp_like = Costs(compute_s=0.0002, client_s=0.0002, server_s=0.0003, update_s=0.0)
+    cold = replace(mlp_like, cold_s=0.0002, cold_tau_s=1e-12)  # any work of the others evicts it all
+    as_switch = replace(mlp_like, switch_s=0.0002)  # the same cost, at every wake-up while another runs
+    for protocol in ("async", "hardsync", "softsync"):
+        got = simulate(cold, 8, protocol, cores=2, batch_size=1).updates_per_s
+        assert got == pytest.approx(simulate(as_switch, 8, protocol, cores=2, batch_size=1).updates_per_s, rel=1e-3)
+        assert got < 0.9 * simulate(mlp_like, 8, protocol, cores=2, batch_size=1).updates_per_s
+        # a core for each of the 9 processes: nothing evicts their caches
+        alone = simulate(cold, 8, protocol, cores=9, batch_size=1).updates_per_s
+        assert alone == simulate(mlp_like, 8, protocol, cores=9, batch_size=1).updates_per_s
 
 
 @pytest.mark.parametrize("latency, period", [(0.004, 0.010), (0.008, 0.017)])
