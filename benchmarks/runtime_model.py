@@ -7,7 +7,8 @@ runs, then used to predict speedup against λ.
    process over ``--transport`` (the learner's CPU for it, the server process's CPU per push,
    the wall time left over as latency), the update kernel with 1 and 4 gradients, and what a
    hardsync round's held push costs the server more (two client processes, hardsync against
-   async). Then
+   async), and what a learner's step costs more after others ran while it was away
+   (``Costs.cold_s``, ``cold_tau_s``: a ring of processes, ``benchmarks/cold_cache.py``). Then
    two short real runs (as in 2.): one learner, whose step time scales the CPU costs (the
    parts measured alone miss the learner loop's own work), and 2 asynchronous learners,
    whose samples/s gives the switch cost (``Costs.switch_s``) by bisection. These two points
@@ -22,7 +23,7 @@ runs, then used to predict speedup against λ.
    one for the server (the paper's setting), per protocol.
 
     python benchmarks/runtime_model.py [--model mlp] [--dataset digits] [--batch-size 16]
-        [--epochs 150] [--lambdas 1,2,4] [--protocols async,hardsync] [--transport tcp]
+        [--epochs 150] [--lambdas 1,2,4,8] [--protocols async,hardsync] [--transport tcp]
         [--predict-to 64] [--no-validate] [--json FILE] [--plot DIR]
 
 With ``--plot DIR``: ``DIR/runtime_validation.png`` (measured and predicted samples/s against
@@ -47,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from cold_cache import cold_costs  # benchmarks/cold_cache.py
 from timing import cpu_seconds, median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 from update_threads import SERVER  # the same server process as the (a0) end-to-end measurement
 
@@ -221,7 +223,14 @@ def calibrate(args: argparse.Namespace) -> tuple[Costs, SpeedProbe]:
     server = max(0.0, exchange["server_cpu_s"] - update)
     latency = max(0.0, (exchange["step_wall_s"] - exchange["client_s"] - exchange["server_cpu_s"]) / 2)
     costs = Costs(
-        compute, exchange["client_s"], server, update, combine, latency, hold_s=hold_seconds(size, args.transport)
+        compute,
+        exchange["client_s"],
+        server,
+        update,
+        combine,
+        latency,
+        hold_s=hold_seconds(size, args.transport),
+        **cold_costs(args.model, args.dataset, args.batch_size, usable_cores()),
     )
     print(
         f"calibration ({args.model} on {args.dataset}, μ = {args.batch_size}, {size:,} parameters, {args.transport}):"
@@ -373,7 +382,7 @@ def main() -> None:
     ap.add_argument("--dataset", default="digits")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--epochs", type=float, default=150)
-    ap.add_argument("--lambdas", default="1,2,4")
+    ap.add_argument("--lambdas", default="1,2,4,8")
     ap.add_argument("--protocols", default="async,hardsync")
     ap.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
     ap.add_argument("--reps", type=int, default=3)
