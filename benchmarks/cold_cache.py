@@ -7,8 +7,8 @@ longer it was away, the more. This measures that on the machine at hand, with th
 own training step: m processes pass ``cores`` tokens round a ring of pipes (each, holding a
 token, runs one step and hands the token on), so each is away about (m/cores − 1) steps. For
 m = cores + 1, 2·cores + 1, … it records each process's CPU per step and time away per step,
-and fits CPU = base + cold·(1 − exp(−away/τ)) (τ on a log grid, base and cold ≥ 0 by least
-squares). ``base`` is left out: the calibration's switch cost, fitted on a real run of
+and fits CPU = base + cold·(1 − exp(−away/τ)) (τ on a log grid up to the longest time away,
+base and cold ≥ 0 by least squares). ``base`` is left out: the calibration's switch cost, fitted on a real run of
 2 learners, takes it in.
 
     python benchmarks/cold_cache.py [--model mlp] [--dataset digits] [--batch-size 16]
@@ -30,7 +30,8 @@ import numpy as np
 
 RING_SECONDS = 1.5  # each ring's run
 RINGS = (1, 2, 4, 8, 16)  # m = k·cores + 1 for each k
-TAUS = np.geomspace(1e-5, 0.1, 81)
+ROUNDS = 3  # each ring size is run this many times, alternating
+TAU_STEPS = 41  # the τ grid: log-spaced from a quarter of the shortest time away to the longest
 
 
 def _ring_worker(step, steps: int, read_fd: int, write_fd: int, report_fd: int) -> None:
@@ -80,11 +81,12 @@ def ring(step, step_s: float, processes: int, cores: int) -> tuple[float, float]
 
 def fit(points: list[tuple[float, float]]) -> dict:
     """The least-squares (base, cold, τ) of CPU = base + cold·(1 − exp(−away/τ)) over
-    (away, CPU) ``points``, base and cold ≥ 0."""
+    (away, CPU) ``points``, base and cold ≥ 0, τ no longer than the longest time away (a
+    refill that has not levelled off within the measured range is not extrapolated)."""
     away = np.array([a for a, _ in points])
     cpu = np.array([c for _, c in points])
     best = None
-    for tau in TAUS:
+    for tau in np.geomspace(away.min() / 4, away.max(), TAU_STEPS):
         shape = 1 - np.exp(-away / tau)
         design = np.stack([np.ones_like(shape), shape], axis=1)
         (base, cold), *_ = np.linalg.lstsq(design, cpu, rcond=None)
@@ -100,7 +102,7 @@ def fit(points: list[tuple[float, float]]) -> dict:
 
 
 def measure(model: str, dataset: str, batch_size: int, cores: int) -> dict:
-    """The ring at every m of :data:`RINGS` (twice, alternating), and the fit."""
+    """The ring at every m of :data:`RINGS` (:data:`ROUNDS` times, alternating), and the fit."""
     import torch
 
     from rudra_async.learner import data as datasets
@@ -122,7 +124,7 @@ def measure(model: str, dataset: str, batch_size: int, cores: int) -> dict:
         step()
     step_s = (time.perf_counter() - t0) / 50
     points = []
-    for _ in range(2):
+    for _ in range(ROUNDS):
         for k in RINGS:
             cpu, away = ring(step, step_s, k * cores + 1, cores)
             points.append((away, cpu))

@@ -302,6 +302,10 @@ def validate(args: argparse.Namespace, costs: Costs, measured: dict) -> list[dic
         print(f"| {protocol} | {lam}{used} | {got['updates_per_s']:,.0f} | {pred.updates_per_s:,.0f} | {err_u:+.0%} "
               f"| {got['samples_per_s']:,.0f} | {pred.samples_per_s:,.0f} | {err_s:+.0%} "
               f"| {got['slowdown']:.2f} | {got['raw_samples_per_s']:,.0f} | {err_raw:+.0%} |")  # fmt: skip
+    alone = [got["samples_per_s"] for (_, lam), got in measured.items() if lam == 1]
+    if len(alone) > 1:  # one learner runs the same steps under every protocol
+        print(f"noise floor: the {len(alone)} runs of one learner (the same work under each protocol) "
+              f"differ by {max(alone) / min(alone) - 1:.0%}")  # fmt: skip
     return rows
 
 
