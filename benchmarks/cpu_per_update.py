@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 
+from timing import cpu_seconds  # benchmarks/timing.py (the script's directory is on sys.path)
+
 PROGRESS = re.compile(r"updates +(\d+) \( *(\d+)/s\).*learners (\d+)")
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def descendants(root: int) -> list[int]:
@@ -44,15 +45,14 @@ def usage(pids: list[int]) -> dict[int, tuple[float, int, int]]:
     found = {}
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = cpu_seconds(pid)
             with open(f"/proc/{pid}/status") as f:
                 status = f.read()
         except OSError:
             continue
         switches = [int(re.search(rf"^{kind}_ctxt_switches:\s+(\d+)", status, re.M).group(1))
                     for kind in ("voluntary", "nonvoluntary")]  # fmt: skip
-        found[pid] = ((int(fields[11]) + int(fields[12])) / TICK, *switches)
+        found[pid] = (cpu, *switches)
     return found
 
 

@@ -151,6 +151,7 @@ def simulate(
     marks: list[tuple[float, int, int]] = []  # (time, clock, gradients) after each update
     gradients = 0
     last_ran: dict[Any, float] = {}  # a process → cpu.work when its last job ended
+    crowded = learners + 1 > cores  # else each process keeps a core of its own: no cache refill
 
     def process(owner: Any) -> Any:
         """The process a job runs in: the server, or learner i (its compute and its exchange)."""
@@ -160,7 +161,7 @@ def simulate(
         if woken and cpu.left:
             seconds += costs.switch_s
             ran = last_ran.get(process(owner))
-            if ran is not None and learners + 1 > cores:  # else each process keeps a core of its own
+            if ran is not None and crowded:
                 seconds += costs.refill_s((cpu.work - ran) / cores)
         if seconds > 0:
             cpu.left[owner] = seconds
