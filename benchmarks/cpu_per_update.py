@@ -2,7 +2,7 @@
 over a few seconds in the middle of a ``rudra-async train`` run (all learners connected).
 
     python benchmarks/cpu_per_update.py LEARNERS [PROTOCOL] [--model mlp] [--dataset digits]
-        [--batch-size 16] [--epochs 150] [--seconds 5]
+        [--batch-size 16] [--epochs 2000] [--seconds 5]
 
 The runtime model (docs/study/runtime_model.md) charges a learner ``compute_s + client_s``
 (and wake-up costs) per step and the server ``server_s`` per push; this shows what the real
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--dataset", default="digits")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--epochs", type=float, default=150)
+    ap.add_argument("--epochs", type=float, default=2000)  # stopped after the window: only needs to outlast it
     ap.add_argument("--seconds", type=float, default=5.0)
     args = ap.parse_args()
     proc = subprocess.Popen(
@@ -71,6 +72,7 @@ def main() -> None:
          "-b", str(args.batch_size), "--epochs", str(args.epochs), "--model", args.model,
          "--dataset", args.dataset, "--threads", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its progress lines as they are written, not in 4 KB blocks
     )  # fmt: skip
     counts: list[tuple[int, int, int]] = []  # (updates so far, updates last second, learners connected)
 
@@ -94,7 +96,10 @@ def main() -> None:
     before, updates0, t0 = usage(pids), counts[-1][0], time.monotonic()
     time.sleep(args.seconds)
     after, updates1, t1 = usage(pids), counts[-1][0], time.monotonic()
-    proc.wait()
+    proc.send_signal(signal.SIGINT)  # the window is measured: the rest of the run is not needed
+    proc.wait(timeout=120)
+    if set(before) - set(after):
+        raise SystemExit("a process ended inside the window (a learner done with its epochs): give more --epochs")
     updates = updates1 - updates0
     if updates <= 0:
         raise SystemExit("no update in the window: give more --epochs")
