@@ -253,7 +253,11 @@ def launch(point: Point, spec: Spec, args: argparse.Namespace) -> None:
         mode, n = ("softsync", 2) if protocol == "softsync2" else ("async" if overlap else protocol, 0)
         listen = "tcp://127.0.0.1:0" if transport == "tcp" else "shm://"
         server_spec = Spec(**{**spec.__dict__, "role": "server", "mode": mode, "n": n, "address": listen})
-        server_env = {**env, "RUDRA_BENCH_SERVER_KERNEL": args.server_kernel}
+        server_env = {
+            **env,
+            "RUDRA_BENCH_SERVER_KERNEL": args.server_kernel,
+            "RUDRA_BENCH_SERVER_GRADIENT_BUFFERS": str(args.server_gradient_buffers),
+        }
         point.server = point.start(
             "server", [sys.executable, "-c", RUDRA_SERVER_MAIN, server_spec.to_json()], server_env
         )
@@ -888,6 +892,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="tiny models and a 10,000-float (a0), for tests")
     ap.add_argument("--mxnet-venv", type=Path, default=MXNET_VENV)
     ap.add_argument("--server-kernel", default="auto", help="the rudra server's --kernel (auto: torch on a CPU)")
+    ap.add_argument(
+        "--server-gradient-buffers", type=int, default=2, help="the rudra server's --gradient-buffers (its default: 2)"
+    )
     ap.add_argument("--md", type=Path, default=None, help="Markdown table (default docs/benchmarks.md)")
     ap.add_argument("--json", type=Path, default=None, help="JSON results (default docs/benchmarks.json)")
     ap.add_argument(

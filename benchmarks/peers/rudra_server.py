@@ -23,6 +23,8 @@ from rudra_async.server import ParameterServer  # noqa: E402
 
 #: the server's update kernel (``--kernel``), set by the driver's ``--server-kernel``
 KERNEL_ENV = "RUDRA_BENCH_SERVER_KERNEL"
+#: the server's ``--gradient-buffers``, set by the driver's ``--server-gradient-buffers``
+GRADIENT_BUFFERS_ENV = "RUDRA_BENCH_SERVER_GRADIENT_BUFFERS"
 
 
 def serve(spec: Spec) -> None:
@@ -33,6 +35,7 @@ def serve(spec: Spec) -> None:
         lr=LR if spec.workload in ("a0", "small") else TRAIN_LR,
         momentum=MOMENTUM,
         kernel=os.environ.get(KERNEL_ENV, "auto"),
+        gradient_buffers=int(os.environ.get(GRADIENT_BUFFERS_ENV, "2")),
     )
 
     async def until_killed() -> None:
