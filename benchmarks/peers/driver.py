@@ -253,11 +253,9 @@ def launch(point: Point, spec: Spec, args: argparse.Namespace) -> None:
         mode, n = ("softsync", 2) if protocol == "softsync2" else ("async" if overlap else protocol, 0)
         listen = "tcp://127.0.0.1:0" if transport == "tcp" else "shm://"
         server_spec = Spec(**{**spec.__dict__, "role": "server", "mode": mode, "n": n, "address": listen})
-        server_env = {
-            **env,
-            "RUDRA_BENCH_SERVER_KERNEL": args.server_kernel,
-            "RUDRA_BENCH_SERVER_GRADIENT_BUFFERS": str(args.server_gradient_buffers),
-        }
+        server_env = {**env, "RUDRA_BENCH_SERVER_KERNEL": args.server_kernel}
+        if args.server_gradient_buffers is not None:  # else the server's own default
+            server_env["RUDRA_BENCH_SERVER_GRADIENT_BUFFERS"] = str(args.server_gradient_buffers)
         point.server = point.start(
             "server", [sys.executable, "-c", RUDRA_SERVER_MAIN, server_spec.to_json()], server_env
         )
@@ -893,7 +891,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mxnet-venv", type=Path, default=MXNET_VENV)
     ap.add_argument("--server-kernel", default="auto", help="the rudra server's --kernel (auto: torch on a CPU)")
     ap.add_argument(
-        "--server-gradient-buffers", type=int, default=2, help="the rudra server's --gradient-buffers (its default: 2)"
+        "--server-gradient-buffers", type=int, help="the rudra server's --gradient-buffers (default: its own)"
     )
     ap.add_argument("--md", type=Path, default=None, help="Markdown table (default docs/benchmarks.md)")
     ap.add_argument("--json", type=Path, default=None, help="JSON results (default docs/benchmarks.json)")

@@ -28,6 +28,7 @@ GRADIENT_BUFFERS_ENV = "RUDRA_BENCH_SERVER_GRADIENT_BUFFERS"
 
 
 def serve(spec: Spec) -> None:
+    buffers = os.environ.get(GRADIENT_BUFFERS_ENV)
     cfg = ServerConfig(
         listen=[spec.address],
         protocol=spec.mode,
@@ -35,7 +36,7 @@ def serve(spec: Spec) -> None:
         lr=LR if spec.workload in ("a0", "small") else TRAIN_LR,
         momentum=MOMENTUM,
         kernel=os.environ.get(KERNEL_ENV, "auto"),
-        gradient_buffers=int(os.environ.get(GRADIENT_BUFFERS_ENV, "2")),
+        **({"gradient_buffers": int(buffers)} if buffers else {}),  # unset: ServerConfig's default
     )
 
     async def until_killed() -> None:
