@@ -9,22 +9,28 @@ Gradient check: the max |g| every push is measured with (``Updater.max_abs``), p
 at 1M and 25M values, next to one ``np.maximum.reduce`` pass over the same arrays (the
 cost of reading one once) in the same run; each call reads the next of four arrays.
 
+Block size (``--blocks``): the numpy kernel's time for one update of 25M values (c = 1,
+momentum) with ``numpy_kernel.BLOCK`` set to each of 64Ki … 512Ki values, on one thread and
+split in two halves over two threads (as the server's part threads split it), medians;
+what ``BLOCK`` is chosen by.
+
 GPU (--gpu): the CuPy kernel's achieved memory bandwidth (bytes it must read and write per
 update / time) as a fraction of the device's copy bandwidth measured in the same run.
 
-    python benchmarks/kernels.py [--reps 7] [--gpu]
+    python benchmarks/kernels.py [--reps 7] [--blocks] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from timing import median_time  # benchmarks/timing.py (the script's directory is on sys.path)
 
-from rudra_async.kernels import SGD, Group, cupy_device_available, make_updater
+from rudra_async.kernels import SGD, Group, cupy_device_available, make_updater, numpy_kernel
 
 #: gradients the check reads in turn, as a server reads each pushed gradient once: on some
 #: hosts a reduction over one 100 MB array read again and again times very differently
@@ -78,6 +84,36 @@ def check(reps: int) -> None:
         print(line)
 
 
+def blocks(reps: int) -> None:
+    n, half = 25_000_000, 12_500_000
+    rng = np.random.default_rng(0)
+    w, w_out, v = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    grads = itertools.cycle([rng.standard_normal(n).astype(np.float32) for _ in range(CHECK_ARRAYS)])
+    sgd = SGD(1e-4, 0.9)
+    pool = ThreadPoolExecutor(2)
+
+    def one_thread() -> None:
+        numpy_kernel.apply(w, w_out, v, [next(grads)], [1.0], sgd)
+
+    def two_threads() -> None:
+        g = next(grads)
+        parts = [(0, half), (half, n)]
+        done = [pool.submit(numpy_kernel.apply, w[a:b], w_out[a:b], v[a:b], [g[a:b]], [1.0], sgd) for a, b in parts]
+        for f in done:
+            f.result()
+
+    chosen = numpy_kernel.BLOCK
+    print(f"numpy kernel block size (BLOCK = {chosen:,} values), n = {n:,}, c = 1, median of {reps}; ms per update")
+    try:
+        for shift in range(16, 20):
+            numpy_kernel.BLOCK = 1 << shift
+            t1, t2 = median_time(one_thread, reps), median_time(two_threads, reps)
+            print(f"  BLOCK = {1 << shift:>7,}:  1 thread {t1 * 1e3:6.1f}   2 threads {t2 * 1e3:6.1f}")
+    finally:
+        numpy_kernel.BLOCK = chosen
+        pool.shutdown()
+
+
 def gpu(reps: int) -> None:
     import cupy as cp
 
@@ -119,7 +155,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--gpu", action="store_true", help="also (or only, with --no-cpu) the CuPy kernel")
     ap.add_argument("--no-cpu", action="store_true")
+    ap.add_argument("--blocks", action="store_true", help="only the numpy kernel's block-size sweep")
     args = ap.parse_args()
+    if args.blocks:
+        blocks(args.reps)
+        return
     if not args.no_cpu:
         cpu(args.reps)
         check(args.reps)

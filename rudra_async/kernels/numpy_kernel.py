@@ -8,7 +8,10 @@ import numpy as np
 
 from .base import SGD, HostUpdater, Steps, check_batch, within
 
-BLOCK = 1 << 16
+#: values per block (1 MiB of float32 per array): on this project's 2-core host an update of
+#: 25M values took ~16 ms on two part threads against ~26 ms with 64Ki-value blocks
+#: (``python benchmarks/kernels.py --blocks``); the result does not depend on it
+BLOCK = 1 << 18
 
 
 def apply(
