@@ -7,7 +7,7 @@ runs, then used to predict speedup against λ.
    process over ``--transport`` (the learner's CPU for it, the server process's CPU per push,
    the wall time left over as latency), the update kernel with 1 and 4 gradients, and what a
    hardsync round's held push costs the server more (two client processes, hardsync against
-   async), and what a learner's step costs more after others ran while it was away
+   async, the median of five rounds), and what a learner's step costs more after others ran while it was away
    (``Costs.cold_s``, ``cold_tau_s``: a ring of processes, ``benchmarks/cold_cache.py``). Then
    two short real runs (as in 2.): one learner, whose step time scales the CPU costs (the
    parts measured alone miss the learner loop's own work), and 2 asynchronous learners,
@@ -144,26 +144,36 @@ for _ in range(steps):
 client.close()
 """
 HOLD_STEPS = 1500  # push+pulls of each of the two clients of hold_seconds
+#: rounds of hold_seconds (async then hardsync in each); five single rounds in a row gave
+#: 0.00–0.17 ms for the MLP on one host (2026-12-08), so it takes their median
+HOLD_ROUNDS = 5
 
 
 def hold_seconds(size: int, scheme: str) -> float:
     """``Costs.hold_s``: what a server spends more per push under hardsync than under async,
     with two client processes pushing ``size`` floats without compute (busy polling off), per
-    held push (one of each round's two)."""
+    held push (one of each round's two); the median of ``HOLD_ROUNDS`` rounds."""
+    rounds = []
+    for _ in range(HOLD_ROUNDS):
+        per_push = {protocol: server_cpu_per_push(size, scheme, protocol) for protocol in ("async", "hardsync")}
+        rounds.append(2 * (per_push["hardsync"] - per_push["async"]))
+    return max(0.0, statistics.median(rounds))
+
+
+def server_cpu_per_push(size: int, scheme: str, protocol: str) -> float:
+    """The server's CPU seconds per push while two client processes each make ``HOLD_STEPS``
+    push+pulls of ``size`` floats against it, busy polling off."""
     env = {**os.environ, polling.ENV: "0"}
-    per_push = {}
-    for protocol in ("async", "hardsync"):
-        with polling_off_server(scheme, protocol) as (server, address):
-            cpu0 = cpu_seconds(server.pid)
-            clients = [
-                subprocess.Popen([sys.executable, "-c", CLIENT, address, str(size), str(HOLD_STEPS)], env=env)
-                for _ in range(2)
-            ]
-            for client in clients:
-                if client.wait(300):
-                    raise SystemExit(f"a {protocol} client of the hold measurement failed")
-            per_push[protocol] = (cpu_seconds(server.pid) - cpu0) / (2 * HOLD_STEPS)
-    return max(0.0, 2 * (per_push["hardsync"] - per_push["async"]))
+    with polling_off_server(scheme, protocol) as (server, address):
+        cpu0 = cpu_seconds(server.pid)
+        clients = [
+            subprocess.Popen([sys.executable, "-c", CLIENT, address, str(size), str(HOLD_STEPS)], env=env)
+            for _ in range(2)
+        ]
+        for client in clients:
+            if client.wait(300):
+                raise SystemExit(f"a {protocol} client of the hold measurement failed")
+        return (cpu_seconds(server.pid) - cpu0) / (2 * HOLD_STEPS)
 
 
 def update_seconds(size: int) -> tuple[float, float]:
