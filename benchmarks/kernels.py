@@ -85,7 +85,8 @@ def check(reps: int) -> None:
 
 
 def blocks(reps: int) -> None:
-    n, half = 25_000_000, 12_500_000
+    n = 25_000_000
+    half = n // 2
     rng = np.random.default_rng(0)
     w, w_out, v = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
     grads = itertools.cycle([rng.standard_normal(n).astype(np.float32) for _ in range(CHECK_ARRAYS)])

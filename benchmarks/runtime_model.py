@@ -7,8 +7,9 @@ runs, then used to predict speedup against λ.
    process over ``--transport`` (the learner's CPU for it, the server process's CPU per push,
    the wall time left over as latency), the update kernel with 1 and 4 gradients, and what a
    hardsync round's held push costs the server more (two client processes, hardsync against
-   async, the median of five rounds), and what a learner's step costs more after others ran while it was away
-   (``Costs.cold_s``, ``cold_tau_s``: a ring of processes, ``benchmarks/cold_cache.py``). Then
+   async, the median of five rounds), and what a learner's step costs more after others ran
+   while it was away (``Costs.cold_s``, ``cold_tau_s``: a ring of processes,
+   ``benchmarks/cold_cache.py``). Then
    two short real runs (as in 2.): one learner, whose step time scales the CPU costs (the
    parts measured alone miss the learner loop's own work), and 2 asynchronous learners,
    whose samples/s gives the switch cost (``Costs.switch_s``) by bisection. These two points
@@ -155,8 +156,8 @@ def hold_seconds(size: int, scheme: str) -> float:
     held push (one of each round's two); the median of ``HOLD_ROUNDS`` rounds."""
     rounds = []
     for _ in range(HOLD_ROUNDS):
-        per_push = {protocol: server_cpu_per_push(size, scheme, protocol) for protocol in ("async", "hardsync")}
-        rounds.append(2 * (per_push["hardsync"] - per_push["async"]))
+        plain = server_cpu_per_push(size, scheme, "async")
+        rounds.append(2 * (server_cpu_per_push(size, scheme, "hardsync") - plain))
     return max(0.0, statistics.median(rounds))
 
 
